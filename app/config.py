@@ -1,0 +1,208 @@
+"""The one typed config tree. A job YAML plus `--set a.b=value` overrides → `JobConfig`.
+
+Unknown keys are rejected everywhere, units live in the field names, and every
+error is one line naming the key at fault (`ConfigError`), raised before Ray starts.
+Credentials never live here: S3 uses the standard AWS chain and `AWS_ENDPOINT_URL`.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A config problem, reported as one line naming the key or file at fault."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Strict):
+    uri: str = Field(description="Hugging Face model dir: s3://bucket/prefix, file:// or a local path")
+    # "auto": bf16 on GPU, fp32 on CPU (CPU has no fast bf16 matmul and the tests want exact fp32).
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+
+
+class LoraConfig(_Strict):
+    r: int = Field(16, gt=0)
+    alpha: float = Field(32.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+class DataConfig(_Strict):
+    uri: str = Field(description="prepared dataset prefix (holds manifest.json once committed)")
+    seq_len: int = Field(2048, gt=1)
+    # Documents held out for validation at prepare time (by a hash of their source position).
+    validation_fraction: float = Field(0.0, ge=0, lt=1)
+
+
+class PrepareConfig(_Strict):
+    input_uri: str = Field(description="raw JSONL or Parquet file or prefix")
+    input_format: Literal["jsonl", "parquet"] = "jsonl"
+    format: Literal["text", "instruction"] = "text"
+    text_field: str = "text"
+    prompt_field: str = "instruction"
+    response_field: str = "response"
+    tokenizer_uri: Optional[str] = Field(None, description="defaults to model.uri")
+    rows_per_shard: int = Field(1024, gt=0)
+    max_bad_records: int = Field(100, ge=0)
+    tokenize_batch_size: int = Field(256, gt=0)
+    num_tokenizer_actors: int = Field(2, gt=0)
+    overwrite: bool = False
+
+
+class TrainingConfig(_Strict):
+    global_batch_size: int = Field(8, gt=0, description="sequences per optimizer step, at every world size")
+    micro_batch_size: int = Field(1, gt=0, description="sequences per forward/backward on one worker")
+    lr: float = Field(2e-4, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    max_steps: Optional[int] = Field(None, gt=0)
+    epochs: Optional[float] = Field(None, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip_norm: Optional[float] = Field(1.0, gt=0)
+    seed: int = 0
+    activation_checkpointing: bool = False
+    mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"
+    parallelism: Literal["fsdp", "ddp"] = "fsdp"
+    log_every_steps: int = Field(1, gt=0)
+    eval_every_steps: Optional[int] = Field(None, gt=0)
+    eval_max_batches: int = Field(8, gt=0)
+    # Record the row_ids of every optimizer step in metrics.jsonl (one all-gather per logged step).
+    trace_rows: bool = False
+
+    @model_validator(mode="after")
+    def _one_length(self) -> "TrainingConfig":
+        if (self.max_steps is None) == (self.epochs is None):
+            raise ValueError("set exactly one of training.max_steps and training.epochs")
+        return self
+
+
+class CheckpointConfig(_Strict):
+    save_every_steps: int = Field(100, gt=0)
+    num_to_keep: Optional[int] = Field(3, gt=0)
+    async_upload: bool = True
+
+
+class ScalingConfig(_Strict):
+    min_workers: int = Field(2, gt=0)
+    max_workers: int = Field(2, gt=0)
+    use_gpu: bool = False
+    cpus_per_worker: float = Field(1.0, gt=0)
+    gpus_per_worker: float = Field(1.0, gt=0)
+
+
+class FaultToleranceConfig(_Strict):
+    max_failures: int = Field(3, ge=-1, description="worker-group restarts on errors; -1 = unlimited")
+
+
+class StorageConfig(_Strict):
+    root_uri: str = Field(description="runs live under <root_uri>/<name>/")
+    # Normally unset: boto3/pyarrow read AWS_ENDPOINT_URL. Set it to pin an S3-compatible store.
+    s3_endpoint: Optional[str] = None
+    s3_region: str = "us-east-1"
+
+
+class JobConfig(_Strict):
+    name: str = Field(description="the run name; re-using it resumes the run")
+    model: ModelConfig
+    lora: Optional[LoraConfig] = None
+    data: DataConfig
+    prepare: Optional[PrepareConfig] = None
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    scaling: ScalingConfig = Field(default_factory=ScalingConfig)
+    fault_tolerance: FaultToleranceConfig = Field(default_factory=FaultToleranceConfig)
+    storage: StorageConfig
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "JobConfig":
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", self.name):
+            raise ValueError(f"name {self.name!r} must be letters, digits, '.', '_' or '-'")
+        s, t = self.scaling, self.training
+        if s.min_workers > s.max_workers:
+            raise ValueError(f"scaling.min_workers ({s.min_workers}) > scaling.max_workers ({s.max_workers})")
+        for world in range(s.min_workers, s.max_workers + 1):
+            if t.global_batch_size % (world * t.micro_batch_size):
+                raise ValueError(
+                    f"training.global_batch_size {t.global_batch_size} cannot be split into "
+                    f"{world} workers x micro_batch_size {t.micro_batch_size} (world size {world} "
+                    f"is in scaling.min_workers..max_workers)"
+                )
+        return self
+
+    @property
+    def run_uri(self) -> str:
+        return self.storage.root_uri.rstrip("/") + "/" + self.name
+
+    @property
+    def tokenizer_uri(self) -> str:
+        return (self.prepare.tokenizer_uri if self.prepare and self.prepare.tokenizer_uri else None) or self.model.uri
+
+
+def _set_path(tree: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for key in keys[:-1]:
+        child = node.get(key)
+        if child is None:
+            child = node[key] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {dotted}: {key!r} is not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
+    parsed = []
+    for item in overrides or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r}: expected key.path=value")
+        parsed.append((key.strip(), yaml.safe_load(raw) if raw.strip() else None))
+    return parsed
+
+
+def format_validation_error(err: ValidationError, source: str) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"])
+    msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        msg = "unknown key"
+    where = f"{source}: {loc}" if loc else source
+    more = f" (+{len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
+    return f"{where}: {msg}{more}"
+
+
+def build_config(tree: dict, source: str = "config") -> JobConfig:
+    try:
+        return JobConfig.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err, source)) from None
+
+
+def load_config(path: str | Path, overrides: Optional[list[str]] = None) -> JobConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: top level must be a mapping")
+    for key, value in parse_overrides(overrides or []):
+        _set_path(tree, key, value)
+    return build_config(tree, str(path))
+
+
+def dump_config(cfg: JobConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

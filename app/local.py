@@ -1,0 +1,183 @@
+"""The embedded stack for development, the demo and the tests: an S3 endpoint and a Ray head
+on loopback, started and stopped by PID.
+
+This is the only module that knows the S3 endpoint is an emulator (moto's server); every
+other module talks to it through boto3 / pyarrow exactly as to AWS.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+# The emulator accepts any key pair; these are not secrets, and real runs never see them.
+LOCAL_S3_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+DEFAULT_BUCKET = "eft"
+
+
+def find_free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, timeout_s: float = 30.0, proc: Optional[subprocess.Popen] = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before port {port} opened")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout_s}s")
+
+
+@dataclass
+class S3Server:
+    proc: subprocess.Popen
+    endpoint: str
+
+    def stop(self) -> None:
+        stop_pid(self.proc.pid)
+
+
+def start_s3_server(port: Optional[int] = None, bucket: str = DEFAULT_BUCKET,
+                    log_path: Optional[Path] = None) -> S3Server:
+    """Start the S3 endpoint on 127.0.0.1 in its own process group and create `bucket`."""
+    port = port or find_free_port()
+    log = open(log_path, "ab") if log_path else subprocess.DEVNULL
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    wait_for_port(port, proc=proc)
+    create_bucket(endpoint, bucket)
+    return S3Server(proc, endpoint)
+
+
+def create_bucket(endpoint: str, bucket: str) -> None:
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                          aws_access_key_id=LOCAL_S3_ENV["AWS_ACCESS_KEY_ID"],
+                          aws_secret_access_key=LOCAL_S3_ENV["AWS_SECRET_ACCESS_KEY"])
+    try:
+        client.create_bucket(Bucket=bucket)
+    except client.exceptions.BucketAlreadyOwnedByYou:
+        pass
+
+
+def stop_pid(pid: int, timeout_s: float = 20.0) -> None:
+    """SIGTERM the process group led by `pid`, then SIGKILL what is left."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pid, 0)
+            except ProcessLookupError:
+                return
+            try:  # reap our own child so it does not linger as a zombie
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    return
+            except ChildProcessError:
+                pass
+            time.sleep(0.2)
+
+
+# -- `eft local up/down/status` ------------------------------------------------------
+
+def state_file(state_dir: Path) -> Path:
+    return Path(state_dir) / "local.json"
+
+
+def local_env(state: dict) -> dict[str, str]:
+    """The environment a shell needs to use the local stack."""
+    return {**LOCAL_S3_ENV, "AWS_ENDPOINT_URL": state["s3_endpoint"], "RAY_ADDRESS": state["ray_address"]}
+
+
+def read_state(state_dir: Path) -> Optional[dict]:
+    path = state_file(state_dir)
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.killpg(pid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def up(state_dir: Path, num_cpus: Optional[int] = None, s3_port: Optional[int] = None,
+       ray_port: Optional[int] = None, bucket: str = DEFAULT_BUCKET) -> dict:
+    """Start S3 + a Ray head; idempotent while both still run."""
+    state_dir = Path(state_dir).absolute()
+    state_dir.mkdir(parents=True, exist_ok=True)
+    state = read_state(state_dir)
+    if state and _alive(state["s3_pid"]) and _alive(state["ray_pid"]):
+        return state
+    if state:
+        down(state_dir)
+    s3 = start_s3_server(s3_port, bucket, log_path=state_dir / "s3.log")
+    ray_port = ray_port or find_free_port()
+    # Ray Data needs CPU slots beside the training workers; logical CPUs are cheap on one box.
+    num_cpus = num_cpus or max(8, 4 * (os.cpu_count() or 2))
+    env = {**os.environ, **LOCAL_S3_ENV, "AWS_ENDPOINT_URL": s3.endpoint, "RAY_USAGE_STATS_ENABLED": "0"}
+    ray_bin = Path(sys.executable).with_name("ray")
+    log = open(state_dir / "ray.log", "ab")
+    ray_proc = subprocess.Popen(
+        [str(ray_bin) if ray_bin.exists() else "ray", "start", "--head", "--block",
+         f"--port={ray_port}", "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}",
+         "--include-dashboard=true", "--dashboard-host=127.0.0.1", "--disable-usage-stats",
+         f"--temp-dir={Path('/tmp') / ('ray-eft-' + str(ray_port))}"],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+    )
+    try:
+        wait_for_port(ray_port, timeout_s=120, proc=ray_proc)
+    except Exception:
+        stop_pid(ray_proc.pid)
+        s3.stop()
+        raise
+    state = {
+        "s3_pid": s3.proc.pid, "s3_endpoint": s3.endpoint, "bucket": bucket,
+        "ray_pid": ray_proc.pid, "ray_address": f"127.0.0.1:{ray_port}", "num_cpus": num_cpus,
+    }
+    state_file(state_dir).write_text(json.dumps(state, indent=2))
+    return state
+
+
+def down(state_dir: Path) -> Optional[dict]:
+    """Stop exactly the processes `up` started (their process groups), nothing else."""
+    state = read_state(state_dir)
+    if not state:
+        return None
+    stop_pid(state["ray_pid"])
+    stop_pid(state["s3_pid"])
+    state_file(state_dir).unlink(missing_ok=True)
+    return state
+
+
+def status(state_dir: Path) -> Optional[dict]:
+    state = read_state(state_dir)
+    if not state:
+        return None
+    return {**state, "s3_alive": _alive(state["s3_pid"]), "ray_alive": _alive(state["ray_pid"])}

@@ -1,0 +1,215 @@
+"""Every byte to or from storage goes through here: URI → pyarrow filesystem + path.
+
+`s3://bucket/prefix` uses `pyarrow.fs.S3FileSystem` (and boto3 for the preflight check),
+`file:///abs` and plain paths use the local filesystem. Credentials come only from the
+standard AWS chain; they are never passed explicitly, so a pickled filesystem (sent to Ray
+workers, stored by Ray Train) carries none.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+import pyarrow.fs as pafs
+
+
+class StorageError(RuntimeError):
+    """A storage problem, reported as one line naming the URI, bucket or endpoint."""
+
+
+def s3_endpoint(explicit: Optional[str] = None) -> Optional[str]:
+    return explicit or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+
+
+def is_s3(uri: str) -> bool:
+    return uri.startswith("s3://")
+
+
+def join(uri: str, *parts: str) -> str:
+    out = uri.rstrip("/")
+    for part in parts:
+        out += "/" + part.strip("/")
+    return out
+
+
+def resolve(uri: str, endpoint: Optional[str] = None, region: str = "us-east-1") -> tuple[pafs.FileSystem, str]:
+    """URI → (filesystem, path inside it)."""
+    if is_s3(uri):
+        path = uri[len("s3://"):].rstrip("/")
+        if not path:
+            raise StorageError(f"{uri}: no bucket in URI")
+        ep = s3_endpoint(endpoint)
+        kwargs: dict[str, Any] = {"region": region}
+        if ep:
+            scheme, _, host = ep.partition("://")
+            kwargs.update(endpoint_override=host or scheme, scheme=scheme if host else "https")
+            # S3-compatible stores on a custom endpoint rarely speak virtual-host addressing.
+            kwargs["force_virtual_addressing"] = False
+        return pafs.S3FileSystem(**kwargs), path
+    if uri.startswith("file://"):
+        uri = uri[len("file://"):]
+    if "://" in uri:
+        raise StorageError(f"{uri}: unsupported URI scheme (use s3://, file:// or a path)")
+    return pafs.LocalFileSystem(), str(Path(uri).expanduser().absolute())
+
+
+class Store:
+    """Storage bound to one endpoint/region (from `StorageConfig`)."""
+
+    def __init__(self, endpoint: Optional[str] = None, region: str = "us-east-1"):
+        self.endpoint = endpoint
+        self.region = region
+
+    @classmethod
+    def from_config(cls, storage_cfg) -> "Store":
+        return cls(storage_cfg.s3_endpoint, storage_cfg.s3_region)
+
+    def resolve(self, uri: str) -> tuple[pafs.FileSystem, str]:
+        return resolve(uri, self.endpoint, self.region)
+
+    # -- preflight ----------------------------------------------------------------
+    def check_reachable(self, uri: str) -> None:
+        """Fail fast, in one line, on an unreachable endpoint, a missing bucket or bad credentials."""
+        if not is_s3(uri):
+            return
+        import boto3
+        import botocore.exceptions as bexc
+
+        bucket = uri[len("s3://"):].split("/", 1)[0]
+        ep = s3_endpoint(self.endpoint)
+        where = ep or "the default AWS endpoint"
+        client = boto3.client(
+            "s3", endpoint_url=ep, region_name=self.region,
+            config=__import__("botocore.config").config.Config(
+                connect_timeout=5, read_timeout=10, retries={"max_attempts": 2}),
+        )
+        try:
+            client.head_bucket(Bucket=bucket)
+        except bexc.EndpointConnectionError:
+            raise StorageError(f"cannot reach S3 endpoint {where} (for {uri})") from None
+        except bexc.NoCredentialsError:
+            raise StorageError(f"no AWS credentials found for s3://{bucket} at {where}") from None
+        except bexc.ClientError as err:
+            code = str(err.response.get("Error", {}).get("Code", ""))
+            if code in ("404", "NoSuchBucket", "NotFound"):
+                raise StorageError(f"bucket s3://{bucket} does not exist at {where}") from None
+            if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+                raise StorageError(f"access denied to bucket s3://{bucket} at {where} (check credentials)") from None
+            raise StorageError(f"s3://{bucket} at {where}: {code or err}") from None
+
+    # -- small objects ------------------------------------------------------------
+    def exists(self, uri: str) -> bool:
+        fs, path = self.resolve(uri)
+        return fs.get_file_info(path).type != pafs.FileType.NotFound
+
+    def read_bytes(self, uri: str) -> bytes:
+        fs, path = self.resolve(uri)
+        try:
+            with fs.open_input_stream(path) as f:
+                return f.read()
+        except FileNotFoundError:
+            raise StorageError(f"{uri}: not found") from None
+
+    def write_bytes(self, uri: str, data: bytes) -> None:
+        """One object, all or nothing: S3 PUT is atomic; locally we write a temp file and rename."""
+        fs, path = self.resolve(uri)
+        if isinstance(fs, pafs.LocalFileSystem):
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+            return
+        with fs.open_output_stream(path) as f:
+            f.write(data)
+
+    def read_text(self, uri: str) -> str:
+        return self.read_bytes(uri).decode()
+
+    def write_text(self, uri: str, text: str) -> None:
+        self.write_bytes(uri, text.encode())
+
+    def read_json(self, uri: str) -> Any:
+        try:
+            return json.loads(self.read_bytes(uri))
+        except json.JSONDecodeError as err:
+            raise StorageError(f"{uri}: not valid JSON ({err})") from None
+
+    def write_json(self, uri: str, obj: Any) -> None:
+        self.write_bytes(uri, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
+
+    # -- trees --------------------------------------------------------------------
+    def list_files(self, uri: str, recursive: bool = True) -> list[str]:
+        """Relative paths of the files under a prefix (empty if absent)."""
+        fs, path = self.resolve(uri)
+        try:
+            infos = fs.get_file_info(pafs.FileSelector(path, recursive=recursive, allow_not_found=True))
+        except FileNotFoundError:
+            return []
+        return sorted(i.path[len(path):].lstrip("/") for i in infos if i.type == pafs.FileType.File)
+
+    def list_dirs(self, uri: str) -> list[str]:
+        fs, path = self.resolve(uri)
+        infos = fs.get_file_info(pafs.FileSelector(path, recursive=False, allow_not_found=True))
+        return sorted(i.base_name for i in infos if i.type == pafs.FileType.Directory)
+
+    def delete_prefix(self, uri: str) -> None:
+        fs, path = self.resolve(uri)
+        if fs.get_file_info(path).type == pafs.FileType.Directory:
+            fs.delete_dir(path)
+        elif fs.get_file_info(path).type == pafs.FileType.File:
+            fs.delete_file(path)
+
+    def upload_dir(self, local_dir: str | Path, uri: str, last: tuple[str, ...] = ()) -> None:
+        """Upload a local tree; the files named in `last` go up after everything else, so a
+        reader that keys on them (a manifest, a config.json) never sees a partial tree."""
+        fs, path = self.resolve(uri)
+        local_dir = Path(local_dir)
+        files = sorted(p for p in local_dir.rglob("*") if p.is_file())
+        files.sort(key=lambda p: p.relative_to(local_dir).as_posix() in last)
+        local = pafs.LocalFileSystem()
+        if not isinstance(fs, pafs.LocalFileSystem):
+            fs.create_dir(path, recursive=True)
+        for src in files:
+            rel = src.relative_to(local_dir).as_posix()
+            dest = f"{path}/{rel}"
+            if isinstance(fs, pafs.LocalFileSystem):
+                Path(dest).parent.mkdir(parents=True, exist_ok=True)
+            pafs.copy_files(str(src), dest, source_filesystem=local, destination_filesystem=fs)
+
+    def download_dir(self, uri: str, local_dir: str | Path) -> None:
+        fs, path = self.resolve(uri)
+        if fs.get_file_info(path).type != pafs.FileType.Directory and not self.list_files(uri):
+            raise StorageError(f"{uri}: not found")
+        Path(local_dir).mkdir(parents=True, exist_ok=True)
+        pafs.copy_files(path, str(local_dir), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem(),
+                        use_threads=True)
+
+    def cache_locally(self, uri: str, cache_root: Optional[str | Path] = None) -> Path:
+        """A local copy of a remote tree, downloaded once per node (file lock + atomic rename)."""
+        if not is_s3(uri):
+            _, path = self.resolve(uri)
+            return Path(path)
+        root = Path(cache_root or Path(tempfile.gettempdir()) / "eft-cache")
+        root.mkdir(parents=True, exist_ok=True)
+        key = hashlib.sha256(f"{s3_endpoint(self.endpoint)}|{uri}".encode()).hexdigest()[:24]
+        final = root / key
+        with open(root / f"{key}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if (final / ".complete").exists():
+                return final
+            staging = root / f"{key}.partial-{uuid.uuid4().hex[:8]}"
+            self.download_dir(uri, staging)
+            (staging / ".complete").write_text(uri)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(staging, final)
+        return final

@@ -1,0 +1,45 @@
+"""Shared fixtures: a real S3 endpoint on a free loopback port, a real local Ray cluster,
+and a tiny Hugging Face model + tokenizer saved to S3 (no hub is reachable)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from app import local  # noqa: E402
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def s3():
+    """An S3 endpoint (moto's server) with bucket `eft`; the process env points boto3/pyarrow at it."""
+    server = local.start_s3_server()
+    saved = {k: os.environ.get(k) for k in [*local.LOCAL_S3_ENV, "AWS_ENDPOINT_URL"]}
+    os.environ.update(local.LOCAL_S3_ENV)
+    os.environ["AWS_ENDPOINT_URL"] = server.endpoint
+    yield server
+    server.stop()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(s3):
+    """A real local Ray cluster; workers inherit the S3 env. More logical CPUs than cores so
+    Ray Data has slots beside the training workers."""
+    import ray
+
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=True,
+             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    yield ray
+    ray.shutdown()
