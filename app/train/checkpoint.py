@@ -9,7 +9,14 @@ For LoRA the model entry holds the adapters only: the frozen base is reloaded fr
 
 from __future__ import annotations
 
+import json
 import pickle
+import shutil
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 from app.storage import Store, join
@@ -50,3 +57,86 @@ def find_latest_checkpoint(store: Store, run_uri: str) -> Optional[str]:
 
 def load_train_state(store: Store, ckpt_uri: str) -> dict:
     return store.read_json(join(ckpt_uri, TRAIN_STATE))
+
+
+# -- worker side ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RestoredState:
+    step: int = 0
+    rows_consumed: int = 0
+    restored: bool = False
+
+
+def _state_dict_options(lora: bool):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # For LoRA only the adapters are trainable: the frozen base is never written.
+    return StateDictOptions(ignore_frozen_params=lora)
+
+
+def build_app_state(model, optimizer, lora: bool) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    opts = _state_dict_options(lora)
+    return {"model": get_model_state_dict(model, options=opts),
+            "optim": get_optimizer_state_dict(model, optimizer, options=opts)}
+
+
+def save(cfg, store: Store, model, optimizer, *, step: int, rows_consumed: int, world_size: int,
+         metrics: Optional[dict], rank: int) -> None:
+    """Every rank writes its DCP shards to a local dir; Ray Train uploads and merges them into
+    `<run>/checkpoint-<step>/` and registers the checkpoint only once every rank's part is up."""
+    import ray.train
+    import torch.distributed.checkpoint as dcp
+    from ray.train import Checkpoint
+    from ray.train.v2.api.report_config import CheckpointUploadMode
+
+    local = Path(tempfile.mkdtemp(prefix=f"eft-ckpt-{step:08d}-r{rank}-"))
+    dcp.save(build_app_state(model, optimizer, cfg.lora is not None), checkpoint_id=str(local))
+    if rank == 0:
+        (local / TRAIN_STATE).write_text(json.dumps({
+            "step": step, "rows_consumed": rows_consumed, "world_size": world_size,
+            "seed": cfg.training.seed, "global_batch_size": cfg.training.global_batch_size,
+            "lora": cfg.lora is not None, "saved_at": time.time(),
+        }, indent=2))
+    mode = CheckpointUploadMode.ASYNC if cfg.checkpoint.async_upload else CheckpointUploadMode.SYNC
+    ray.train.report(dict(metrics or {"step": step}), checkpoint=Checkpoint.from_directory(str(local)),
+                     checkpoint_dir_name=checkpoint_dir_name(step), checkpoint_upload_mode=mode,
+                     delete_local_checkpoint_after_upload=True)
+    if mode == CheckpointUploadMode.SYNC:
+        shutil.rmtree(local, ignore_errors=True)
+
+
+def restore(checkpoint, model, optimizer, lora: bool) -> RestoredState:
+    """Load the latest committed checkpoint into this rank's shards. DCP reshards, so the
+    world size may differ from the one that saved it."""
+    if checkpoint is None:
+        return RestoredState()
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    with checkpoint.as_directory() as local:
+        state_file = Path(local) / TRAIN_STATE
+        if not state_file.exists() or not (Path(local) / ".metadata").exists():
+            raise RuntimeError(f"checkpoint {checkpoint.path} is incomplete (no {TRAIN_STATE} or .metadata)")
+        train_state = json.loads(state_file.read_text())
+        app_state = build_app_state(model, optimizer, lora)
+        dcp.load(app_state, checkpoint_id=str(local))
+    opts = _state_dict_options(lora)
+    set_model_state_dict(model, app_state["model"], options=opts)
+    set_optimizer_state_dict(model, optimizer, app_state["optim"], options=opts)
+    return RestoredState(int(train_state["step"]), int(train_state["rows_consumed"]), True)
+
+
+def record_event(store: Store, run_uri: str, kind: str, **fields) -> None:
+    """One object per event (S3 has no append): `<run>/events/<time>-<id>.json`."""
+    now = time.time()
+    name = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime(now))}-{uuid.uuid4().hex[:8]}.json"
+    store.write_json(join(run_uri, "events", name), {"kind": kind, "time": now, **fields})
+
+
+def load_events(store: Store, run_uri: str) -> list[dict]:
+    events = [store.read_json(join(run_uri, "events", f)) for f in store.list_files(join(run_uri, "events"))]
+    return sorted(events, key=lambda e: e["time"])

@@ -1,6 +1,33 @@
-"""Model building: load base + tokenizer, apply LoRA, apply FSDP2 / DDP, precision."""
+"""Model building: load base + tokenizer, apply LoRA, apply FSDP2 / DDP, precision.
+
+Loading scales: every rank builds the model on the meta device; only rank 0 reads the
+weights (from the node-local cache of the model URI) and broadcasts them while they are
+placed into each rank's shards (`set_model_state_dict(..., broadcast_from_rank0=True)`).
+So one copy of the base lives in host memory per node, never one per rank.
+"""
 
 from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+log = logging.getLogger(__name__)
+
+
+class ModelError(ValueError):
+    """The model URI does not hold a loadable model."""
+
+
+@dataclass(frozen=True)
+class Precision:
+    storage_dtype: torch.dtype  # dtype of the (frozen) base weights as loaded
+    param_dtype: Optional[torch.dtype]  # compute dtype under FSDP2 / autocast; None = as stored
+    reduce_dtype: Optional[torch.dtype]
 
 
 def build_peft_config(lora_cfg):
@@ -11,3 +38,124 @@ def build_peft_config(lora_cfg):
         r=lora_cfg.r, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
         target_modules=list(lora_cfg.target_modules), bias="none", task_type="CAUSAL_LM",
     )
+
+
+def resolve_precision(cfg, device: torch.device) -> Precision:
+    on_gpu = device.type == "cuda"
+    mp = cfg.training.mixed_precision
+    bf16 = mp == "bf16" or (mp == "auto" and on_gpu)
+    if cfg.model.dtype == "auto":
+        # A frozen LoRA base can live in bf16; trainable full-FT weights keep fp32 masters.
+        storage = torch.bfloat16 if (on_gpu and cfg.lora is not None) else torch.float32
+    else:
+        storage = getattr(torch, cfg.model.dtype)
+    return Precision(storage, torch.bfloat16 if bf16 else None, torch.float32 if bf16 else None)
+
+
+def check_model_dir(local_dir: Path, uri: str) -> None:
+    if not (Path(local_dir) / "config.json").is_file():
+        raise ModelError(f"{uri}: not a Hugging Face model dir (no config.json)")
+    if not any(Path(local_dir).glob("*.safetensors")) and not any(Path(local_dir).glob("*.bin")):
+        raise ModelError(f"{uri}: no weights (*.safetensors) in model dir")
+
+
+def load_pretrained(local_dir: Path, dtype: torch.dtype, lora_cfg=None, seed: int = 0) -> nn.Module:
+    """The plain, fully materialized path: rank 0's source of truth and the tests' reference."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(local_dir, dtype=dtype)
+    if lora_cfg is not None:
+        from peft import get_peft_model
+
+        torch.manual_seed(seed)  # adapter init is drawn here, once, on rank 0
+        model = get_peft_model(model, build_peft_config(lora_cfg))
+    return model
+
+
+def build_meta_model(local_dir: Path, dtype: torch.dtype, lora_cfg=None) -> tuple[nn.Module, dict]:
+    """Parameters on the meta device (no memory); buffers real, returned to be restored after
+    `to_empty` (non-persistent buffers such as rotary frequencies are in no state dict)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(local_dir)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        if lora_cfg is not None:
+            from peft import get_peft_model
+
+            model = get_peft_model(model, build_peft_config(lora_cfg))
+    buffers = {name: buf.detach().clone() for name, buf in model.named_buffers()}
+    return model, buffers
+
+
+def decoder_blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks, found by the class names HF lists as never to be split."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(getattr(inner, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise ModelError(f"cannot find decoder blocks to shard in {type(inner).__name__}")
+    return blocks
+
+
+def apply_fsdp(model: nn.Module, precision: Precision) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype)
+    for block in decoder_blocks(model):
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    # Non-reentrant: works with frozen inputs (LoRA) and with FSDP2's hooks.
+    inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    inner.config.use_cache = False
+
+
+def load_weights_from_rank0(model: nn.Module, source: Optional[nn.Module], buffers: dict,
+                            device: torch.device) -> None:
+    """Materialize `model` on `device` and fill it from rank 0's `source` (None elsewhere)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name in buffers:
+                buf.copy_(buffers[name].to(device=device, dtype=buf.dtype))
+    full = source.state_dict() if source is not None else {}
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+
+def build_model(cfg, local_dir: Path, device: torch.device, rank: int, world_size: int) -> nn.Module:
+    """Base (+ LoRA) → precision → activation checkpointing → FSDP2 or DDP, weights loaded."""
+    precision = resolve_precision(cfg, device)
+    model, buffers = build_meta_model(local_dir, precision.storage_dtype, cfg.lora)
+    if cfg.training.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    source = load_pretrained(local_dir, precision.storage_dtype, cfg.lora, cfg.training.seed) if rank == 0 else None
+    if cfg.training.parallelism == "fsdp":
+        apply_fsdp(model, precision)
+        load_weights_from_rank0(model, source, buffers, device)
+    else:
+        load_weights_from_rank0(model, source, buffers, device)
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    del source
+    return model
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    """(trainable, total) — global counts, also under FSDP2 (DTensor.numel is the full size)."""
+    total = trainable = 0
+    for p in model.parameters():
+        total += p.numel()
+        trainable += p.numel() if p.requires_grad else 0
+    return trainable, total

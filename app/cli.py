@@ -1,0 +1,157 @@
+"""`eft`: the command line. Thin: parse, load the config, call one function, print.
+
+Every expected failure (bad config, unreachable storage, missing dataset, bad model dir)
+ends as one line on stderr naming what is at fault, and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+EXIT_USAGE = 2
+EXIT_FAILED = 1
+
+
+def _load(args):
+    from app.config import load_config
+
+    return load_config(args.config, args.set)
+
+
+def cmd_config(args) -> int:
+    from app.config import dump_config
+
+    print(dump_config(_load(args)), end="")
+    return 0
+
+
+def cmd_local(args) -> int:
+    from app import local
+
+    state_dir = Path(args.state_dir)
+    if args.action == "up":
+        state = local.up(state_dir, num_cpus=args.num_cpus)
+        print(f"# local stack up: S3 {state['s3_endpoint']} (bucket {state['bucket']}), Ray {state['ray_address']}")
+        print("# use it in this shell with:  eval \"$(eft local env)\"")
+        for key, value in local.local_env(state).items():
+            print(f"export {key}={value}")
+    elif args.action == "env":
+        state = local.read_state(state_dir)
+        if not state:
+            print(f"eft: no local stack recorded in {state_dir} (run `eft local up`)", file=sys.stderr)
+            return EXIT_FAILED
+        for key, value in local.local_env(state).items():
+            print(f"export {key}={value}")
+    elif args.action == "down":
+        state = local.down(state_dir)
+        print("local stack stopped" if state else f"no local stack recorded in {state_dir}")
+    else:
+        st = local.status(state_dir)
+        if not st:
+            print(f"no local stack recorded in {state_dir}")
+            return EXIT_FAILED
+        print(json.dumps(st, indent=2))
+        return 0 if st["s3_alive"] and st["ray_alive"] else EXIT_FAILED
+    return 0
+
+
+def cmd_prepare(args) -> int:
+    from app.data.prepare import prepare_dataset
+
+    cfg = _load(args)
+    if cfg.prepare is None:
+        raise ValueError(f"{args.config}: prepare: section missing (needed by `eft prepare`)")
+    manifest = prepare_dataset(cfg)
+    train, val = manifest["splits"]["train"], manifest["splits"].get("validation", {})
+    print(f"prepared {cfg.data.uri}: {train['rows']} train rows / {train['tokens']:,} tokens, "
+          f"{val.get('rows', 0)} validation rows, {manifest['records']['skipped']} records skipped")
+    return 0
+
+
+def cmd_train(args) -> int:
+    from app.summary import render_summary
+    from app.train.launch import run_training
+
+    summary = run_training(_load(args))
+    render_summary(summary)
+    return 0
+
+
+def cmd_export(args) -> int:
+    from app.export import export_run
+
+    out = export_run(_load(args), checkpoint_uri=args.checkpoint, merge=args.merge)
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from app.demo import run_demo
+
+    return run_demo(config_path=args.config, state_dir=Path(args.state_dir), max_steps=args.max_steps,
+                    keep_stack=args.keep_stack)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="eft", description="Ray-native elastic LLM fine-tuning")
+    parser.add_argument("--traceback", action="store_true", help="show the full traceback on errors")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def with_config(p):
+        p.add_argument("config", help="job YAML")
+        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config value, e.g. --set training.max_steps=200")
+        return p
+
+    with_config(sub.add_parser("config", help="validate and print the resolved config")).set_defaults(fn=cmd_config)
+    p = sub.add_parser("local", help="the embedded S3 endpoint + Ray head on loopback")
+    p.add_argument("action", choices=["up", "down", "status", "env"])
+    p.add_argument("--state-dir", default=".eft", help="where the stack records its PIDs (default .eft)")
+    p.add_argument("--num-cpus", type=int, default=None, help="logical CPUs for the Ray head")
+    p.set_defaults(fn=cmd_local)
+    with_config(sub.add_parser("prepare", help="raw JSONL/Parquet → packed shards + manifest")).set_defaults(
+        fn=cmd_prepare)
+    with_config(sub.add_parser("train", help="fine-tune; re-run with the same name to resume")).set_defaults(
+        fn=cmd_train)
+    p = with_config(sub.add_parser("export", help="checkpoint → PEFT adapter / merged model"))
+    p.add_argument("--checkpoint", default=None, help="checkpoint URI (default: latest complete)")
+    p.add_argument("--merge", action="store_true", help="also write the merged full model")
+    p.set_defaults(fn=cmd_export)
+    p = sub.add_parser("demo", help="the whole pipeline on the embedded local stack")
+    p.add_argument("--config", default=None, help="job YAML (default: jobs/configs/tiny-cpu.yaml)")
+    p.add_argument("--state-dir", default=".eft")
+    p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--keep-stack", action="store_true", help="leave the local stack running afterwards")
+    p.set_defaults(fn=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from app.config import ConfigError
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s [eft] %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except ConfigError as err:
+        print(f"eft: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("eft: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:  # expected failures carry one-line messages; anything else too
+        if args.traceback:
+            raise
+        msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        print(f"eft: error: {msg}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

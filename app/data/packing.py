@@ -1,0 +1,202 @@
+"""Documents → (input_ids, labels) → fixed-length packed rows. Pure numpy, no Ray.
+
+A text document becomes `[bos?] + tokens + [eos]` with labels == input_ids. An instruction
+document becomes `[bos?] + prompt + response + [eos]` where bos and the prompt are labelled
+IGNORE_INDEX, so only the response and its eos are trained on.
+
+The packer concatenates documents in order and cuts `seq_len` rows; a document longer than
+a row continues in the next one (never dropped), and the final partial row is padded with
+pad ids labelled IGNORE_INDEX. Everything works on flat int32 arrays plus per-document
+lengths, so a whole batch of documents is handled with a few vectorised numpy calls.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Iterable, Optional, Sequence
+
+import numpy as np
+
+from app.data.formats import Document
+
+IGNORE_INDEX = -100
+TOKEN_DTYPE = np.int32
+
+
+# -- building examples ----------------------------------------------------------------
+
+def flatten_token_lists(lists: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Lists of token ids → (flat int32 values, int64 lengths)."""
+    lengths = np.fromiter((len(x) for x in lists), dtype=np.int64, count=len(lists))
+    values = np.fromiter((t for x in lists for t in x), dtype=TOKEN_DTYPE, count=int(lengths.sum()))
+    return values, lengths
+
+
+def scatter_segments(dest: np.ndarray, starts: np.ndarray, values: np.ndarray, lengths: np.ndarray) -> None:
+    """Copy consecutive segments of `values` (of `lengths`) to dest[starts[i]:starts[i]+lengths[i]]."""
+    if not len(values):
+        return
+    seg_begin = np.cumsum(lengths) - lengths
+    within = np.arange(len(values), dtype=np.int64) - np.repeat(seg_begin, lengths)
+    dest[np.repeat(starts, lengths) + within] = values
+
+
+def build_examples_flat(body: np.ndarray, body_lengths: np.ndarray, eos_id: int,
+                        bos_id: Optional[int] = None, prompt: Optional[np.ndarray] = None,
+                        prompt_lengths: Optional[np.ndarray] = None,
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A batch of tokenized documents → (input_ids, labels, lengths), flat and in document order.
+
+    `body` holds the trained-on tokens (text, or the response); `prompt` (optional, may have
+    zero-length entries) holds masked tokens placed before the body.
+    """
+    n = len(body_lengths)
+    if prompt is None:
+        prompt = np.zeros(0, dtype=TOKEN_DTYPE)
+        prompt_lengths = np.zeros(n, dtype=np.int64)
+    n_bos = 0 if bos_id is None else 1
+    lengths = n_bos + prompt_lengths + body_lengths + 1
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    ids = np.empty(int(ends[-1]) if n else 0, dtype=TOKEN_DTYPE)
+    labels = np.empty_like(ids)
+    if n_bos:
+        ids[starts] = bos_id
+        labels[starts] = bos_id
+    scatter_segments(ids, starts + n_bos, prompt, prompt_lengths)
+    scatter_segments(labels, starts + n_bos, np.full(len(prompt), IGNORE_INDEX, TOKEN_DTYPE), prompt_lengths)
+    body_starts = starts + n_bos + prompt_lengths
+    scatter_segments(ids, body_starts, body, body_lengths)
+    scatter_segments(labels, body_starts, body, body_lengths)
+    ids[ends - 1] = eos_id
+    labels[ends - 1] = eos_id
+    if n_bos and prompt_lengths.any():
+        # bos is context for a prompted example, not something to predict.
+        labels[starts[prompt_lengths > 0]] = IGNORE_INDEX
+    return ids, labels, lengths
+
+
+def build_example(body_ids: Sequence[int], eos_id: int, bos_id: Optional[int] = None,
+                  prompt_ids: Optional[Sequence[int]] = None) -> tuple[np.ndarray, np.ndarray]:
+    """One document's token ids → (input_ids, labels)."""
+    body, body_len = flatten_token_lists([body_ids])
+    prompt, prompt_len = flatten_token_lists([prompt_ids]) if prompt_ids is not None else (None, None)
+    ids, labels, _ = build_examples_flat(body, body_len, eos_id, bos_id, prompt, prompt_len)
+    return ids, labels
+
+
+def encode_texts(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Body tokens only. A literal "</s>" in raw text stays text: letting data inject special
+    tokens would fake document boundaries inside a packed row."""
+    if not texts:
+        return []
+    return tokenizer(texts, add_special_tokens=False, split_special_tokens=True,
+                     return_attention_mask=False)["input_ids"]
+
+
+def tokenize_documents(tokenizer, docs: Sequence[Document]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Documents → flat (input_ids, labels, lengths), with one tokenizer call per field."""
+    body, body_len = flatten_token_lists(encode_texts(tokenizer, [d.text for d in docs]))
+    prompt = prompt_len = None
+    prompted = [i for i, d in enumerate(docs) if d.prompt is not None]
+    if prompted:
+        prompt_lists = [[] for _ in docs]
+        for i, ids in zip(prompted, encode_texts(tokenizer, [docs[i].prompt for i in prompted])):
+            prompt_lists[i] = ids
+        prompt, prompt_len = flatten_token_lists(prompt_lists)
+    return build_examples_flat(body, body_len, tokenizer.eos_token_id, tokenizer.bos_token_id, prompt, prompt_len)
+
+
+def tokenize_document(tokenizer, doc: Document) -> tuple[np.ndarray, np.ndarray]:
+    ids, labels, _ = tokenize_documents(tokenizer, [doc])
+    return ids, labels
+
+
+# -- packing --------------------------------------------------------------------------
+
+class Packer:
+    """Concatenate token streams in order and cut them into `seq_len` rows."""
+
+    def __init__(self, seq_len: int, pad_id: int):
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be positive, got {seq_len}")
+        self.seq_len = seq_len
+        self.pad_id = pad_id
+        self._ids: list[np.ndarray] = []
+        self._labels: list[np.ndarray] = []
+        self._pending = 0
+
+    @property
+    def pending_tokens(self) -> int:
+        return self._pending
+
+    def add(self, input_ids: np.ndarray, labels: np.ndarray) -> None:
+        """Append one document, or several documents' flat tokens back to back."""
+        if len(input_ids) != len(labels):
+            raise ValueError(f"input_ids ({len(input_ids)}) and labels ({len(labels)}) differ in length")
+        if len(input_ids):
+            self._ids.append(np.asarray(input_ids, dtype=TOKEN_DTYPE))
+            self._labels.append(np.asarray(labels, dtype=TOKEN_DTYPE))
+            self._pending += len(input_ids)
+
+    def pop_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every complete row so far, as [n, seq_len] arrays; the remainder stays pending."""
+        n_rows = self._pending // self.seq_len
+        if not n_rows:
+            return self._empty_rows()
+        ids, labels = np.concatenate(self._ids), np.concatenate(self._labels)
+        cut = n_rows * self.seq_len
+        self._ids, self._labels = [ids[cut:]], [labels[cut:]]
+        self._pending -= cut
+        return ids[:cut].reshape(n_rows, self.seq_len), labels[:cut].reshape(n_rows, self.seq_len)
+
+    def finish(self) -> tuple[np.ndarray, np.ndarray]:
+        """The remaining rows, the last one padded (pad id, IGNORE_INDEX label)."""
+        full_ids, full_labels = self.pop_rows()
+        if not self._pending:
+            return full_ids, full_labels
+        pad = self.seq_len - self._pending
+        last_ids = np.concatenate([*self._ids, np.full(pad, self.pad_id, TOKEN_DTYPE)])
+        last_labels = np.concatenate([*self._labels, np.full(pad, IGNORE_INDEX, TOKEN_DTYPE)])
+        self._ids, self._labels, self._pending = [], [], 0
+        return (np.concatenate([full_ids, last_ids[None]]), np.concatenate([full_labels, last_labels[None]]))
+
+    def _empty_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        empty = np.zeros((0, self.seq_len), dtype=TOKEN_DTYPE)
+        return empty, empty.copy()
+
+
+def pack_examples(examples: Iterable[tuple[np.ndarray, np.ndarray]], seq_len: int,
+                  pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """All (input_ids, labels) examples, in order → [n_rows, seq_len] input_ids and labels."""
+    packer = Packer(seq_len, pad_id)
+    parts_ids, parts_labels = [], []
+    for ids, labels in examples:
+        packer.add(ids, labels)
+    for ids, labels in (packer.pop_rows(), packer.finish()):
+        parts_ids.append(ids)
+        parts_labels.append(labels)
+    return np.concatenate(parts_ids), np.concatenate(parts_labels)
+
+
+# -- validation split -----------------------------------------------------------------
+
+def source_key(source: str) -> int:
+    """A stable 64-bit key for a source path (Python's hash() is salted per process)."""
+    return int.from_bytes(hashlib.sha256(source.encode()).digest()[:8], "little")
+
+
+def document_fractions(source_keys: np.ndarray, lines: np.ndarray) -> np.ndarray:
+    """A stable pseudo-random number in [0, 1) per (source, line): splitmix64 of both, vectorised."""
+    x = np.asarray(source_keys, dtype=np.uint64) + np.asarray(lines, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    x = x ^ (x >> np.uint64(31))
+    return (x >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+
+
+def validation_mask(source_keys: np.ndarray, lines: np.ndarray, fraction: float) -> np.ndarray:
+    """Which documents go to the validation split: those whose stable fraction falls under `fraction`."""
+    if fraction <= 0:
+        return np.zeros(len(lines), dtype=bool)
+    return document_fractions(source_keys, lines) < fraction

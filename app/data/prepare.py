@@ -1,0 +1,520 @@
+"""The `prepare` stage: raw JSONL/Parquet → packed Parquet shards + manifest.json (a Ray Data job).
+
+Ray Data reads the input files and parses records in tasks, an actor pool tokenizes them
+(the tokenizer is loaded once per actor), and the driver consumes the tokenized documents in
+input order: it assigns each one to train or validation by a stable hash of its source
+position, packs each split into `seq_len` rows and writes Parquet shards.
+
+The dataset is committed-or-absent: shards go under a fresh `shards-<id>/` prefix and
+`manifest.json`, written last, is the commit. Readers only ever follow the manifest, so a
+crashed or failed run leaves at most an unreferenced prefix, which the next run deletes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import hashlib
+import json
+import logging
+import posixpath
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from app.config import JobConfig
+from app.data.formats import Document, Skip, build_document, parse_json_line
+from app.data.packing import IGNORE_INDEX, Packer, source_key, tokenize_documents, validation_mask
+from app.storage import Store, StorageError, join
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+SHARDS_PREFIX = "shards-"
+SPLITS = ("train", "validation")
+MAX_SKIPPED_EXAMPLES = 100
+ERROR_EXAMPLES = 3
+LOG_EVERY_S = 10.0
+INPUT_EXTENSIONS = {"jsonl": (".jsonl", ".json"), "parquet": (".parquet",)}
+
+# Ray Data small-cluster footprint: parsing and tokenizing are light per task, and fractional
+# CPUs let the job run beside other work on a laptop-sized cluster.
+PARSE_NUM_CPUS = 0.25
+TOKENIZER_NUM_CPUS = 0.25
+
+DOCUMENT_SCHEMA = pa.schema([
+    ("source", pa.string()), ("line", pa.int64()), ("text", pa.string()),
+    ("prompt", pa.string()), ("reason", pa.string()),
+])
+TOKENIZED_SCHEMA = pa.schema([
+    ("source", pa.string()), ("line", pa.int64()), ("reason", pa.string()),
+    ("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32())),
+])
+SHARD_SCHEMA = pa.schema([
+    ("row_id", pa.int64()), ("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32())),
+])
+
+
+class PrepareError(RuntimeError):
+    """A prepare problem, reported as one line naming the URI or record at fault."""
+
+
+class DatasetError(RuntimeError):
+    """A prepared dataset cannot be used, reported as one line naming its URI."""
+
+
+# -- reading a committed dataset --------------------------------------------------------
+
+def manifest_uri(data_uri: str) -> str:
+    return join(data_uri, MANIFEST_NAME)
+
+
+def load_manifest(store: Store, data_uri: str) -> dict:
+    uri = manifest_uri(data_uri)
+    if not store.exists(uri):
+        raise DatasetError(f"no committed dataset at {data_uri}: {MANIFEST_NAME} missing (run `eft prepare`)")
+    try:
+        manifest = json.loads(store.read_bytes(uri))
+    except json.JSONDecodeError as err:
+        raise DatasetError(f"{uri}: not valid JSON ({err})") from None
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise DatasetError(f"{uri}: format_version {manifest.get('format_version')!r} is not {FORMAT_VERSION}")
+    return manifest
+
+
+def shard_uris(data_uri: str, manifest: dict, split: str) -> list[str]:
+    if split not in manifest["splits"]:
+        raise DatasetError(f"{data_uri}: no split {split!r} (have {sorted(manifest['splits'])})")
+    return [join(data_uri, shard["path"]) for shard in manifest["splits"][split]["shards"]]
+
+
+# -- listing inputs ---------------------------------------------------------------------
+
+def list_input_files(store: Store, input_uri: str, input_format: str) -> tuple[pafs.FileSystem, str, list[str]]:
+    """(filesystem, base path, sorted file paths). A file URI is used as is; a prefix is
+    searched recursively for files with the format's extensions."""
+    fs, path = store.resolve(input_uri)
+    info = fs.get_file_info(path)
+    if info.type == pafs.FileType.File:
+        return fs, posixpath.dirname(path), [path]
+    files: list[str] = []
+    if info.type == pafs.FileType.Directory:
+        selector = pafs.FileSelector(path, recursive=True, allow_not_found=True)
+        files = sorted(i.path for i in fs.get_file_info(selector)
+                       if i.type == pafs.FileType.File and i.path.endswith(INPUT_EXTENSIONS[input_format]))
+    if not files:
+        exts = "/".join(INPUT_EXTENSIONS[input_format])
+        raise PrepareError(f"no {input_format} input files ({exts}) at {input_uri}")
+    return fs, path, files
+
+
+def relative_source(path: str, base: str) -> str:
+    prefix = base.rstrip("/") + "/"
+    return path[len(prefix):] if path.startswith(prefix) else posixpath.basename(path)
+
+
+# -- Ray stages (run in tasks and actors) -------------------------------------------------
+
+def build_document_table(rows: list[tuple[str, int, Any]], fields: dict) -> pa.Table:
+    """(source, line, decoded record or Skip) rows → a DOCUMENT_SCHEMA table."""
+    columns: dict[str, list] = {name: [] for name in DOCUMENT_SCHEMA.names}
+    for source, line, record in rows:
+        parsed = build_document(record, **fields)
+        columns["source"].append(source)
+        columns["line"].append(line)
+        columns["text"].append(parsed.text if isinstance(parsed, Document) else None)
+        columns["prompt"].append(parsed.prompt if isinstance(parsed, Document) else None)
+        columns["reason"].append(parsed.reason if isinstance(parsed, Skip) else None)
+    return pa.table(columns, schema=DOCUMENT_SCHEMA)
+
+
+def parse_jsonl_files(batch: dict, base: str, fields: dict) -> pa.Table:
+    """Whole JSONL files → one row per non-blank line, numbered from 1 (blank lines are not records)."""
+    rows = []
+    for data, path in zip(batch["bytes"], batch["path"]):
+        source = relative_source(path, base)
+        for number, line in enumerate(data.split(b"\n"), start=1):
+            if line.strip():
+                rows.append((source, number, parse_json_line(line)))
+    return build_document_table(rows, fields)
+
+
+def parse_parquet_rows(batch: pa.Table, base: str, fields: dict) -> pa.Table:
+    """Parquet rows → documents. Row numbers are not known inside a block, so `line` is 0 here
+    and the driver numbers rows per file (blocks arrive in order)."""
+    records = batch.drop_columns(["path"]).to_pylist()
+    sources = [relative_source(p, base) for p in batch["path"].to_pylist()]
+    return build_document_table([(s, 0, r) for s, r in zip(sources, records)], fields)
+
+
+def build_list_array(values: np.ndarray, lengths: np.ndarray) -> pa.ListArray:
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=pa.int32()))
+
+
+class TokenizeDocuments:
+    """Ray Data actor: loads the tokenizer once, then turns document batches into token lists."""
+
+    def __init__(self, tokenizer_uri: str, endpoint: Optional[str], region: str):
+        self.tokenizer = load_tokenizer(Store(endpoint, region), tokenizer_uri)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        ok = pc.is_null(batch["reason"]).to_numpy(zero_copy_only=False)
+        good = np.flatnonzero(ok)
+        texts = batch["text"].take(pa.array(good)).to_pylist()
+        prompts = batch["prompt"].take(pa.array(good)).to_pylist()
+        ids, labels, doc_lengths = tokenize_documents(self.tokenizer, [Document(t, p) for t, p in zip(texts, prompts)])
+        lengths = np.zeros(batch.num_rows, dtype=np.int64)
+        lengths[good] = doc_lengths
+        return pa.table({
+            "source": batch["source"], "line": batch["line"], "reason": batch["reason"],
+            "input_ids": build_list_array(ids, lengths), "labels": build_list_array(labels, lengths),
+        }, schema=TOKENIZED_SCHEMA)
+
+
+def load_tokenizer(store: Store, tokenizer_uri: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(store.cache_locally(tokenizer_uri)))
+
+
+def build_token_dataset(cfg: JobConfig, store: Store, fs: pafs.FileSystem, base: str, files: list[str]):
+    import ray.data
+
+    p = cfg.prepare
+    fields = {"fmt": p.format, "text_field": p.text_field, "prompt_field": p.prompt_field,
+              "response_field": p.response_field}
+    if p.input_format == "jsonl":
+        ds = ray.data.read_binary_files(files, filesystem=fs, include_paths=True)
+        # One file per batch: line numbers are counted within a file.
+        ds = ds.map_batches(parse_jsonl_files, batch_size=1, batch_format="numpy", num_cpus=PARSE_NUM_CPUS,
+                            fn_kwargs={"base": base, "fields": fields})
+    else:
+        ds = ray.data.read_parquet(files, filesystem=fs, include_paths=True)
+        ds = ds.map_batches(parse_parquet_rows, batch_format="pyarrow", num_cpus=PARSE_NUM_CPUS,
+                            fn_kwargs={"base": base, "fields": fields})
+    return ds.map_batches(
+        TokenizeDocuments, batch_size=p.tokenize_batch_size, batch_format="pyarrow",
+        compute=ray.data.ActorPoolStrategy(size=p.num_tokenizer_actors), num_cpus=TOKENIZER_NUM_CPUS,
+        fn_constructor_args=(cfg.tokenizer_uri, store.endpoint, store.region),
+    )
+
+
+@contextlib.contextmanager
+def preserving_order() -> Iterator[None]:
+    """Deterministic output needs blocks in input order; restore the caller's setting after."""
+    from ray.data import DataContext
+
+    ctx = DataContext.get_current()
+    options = ctx.execution_options
+    saved = options.preserve_order, ctx.use_datasource_v2
+    options.preserve_order = True
+    # The v2 Parquet reader starts 32 footer-reader actors per read: seconds on a small box.
+    ctx.use_datasource_v2 = False
+    try:
+        yield
+    finally:
+        options.preserve_order, ctx.use_datasource_v2 = saved
+
+
+# -- driver side: bad records, splits, shards ----------------------------------------------
+
+class BadRecords:
+    """Counts skipped records by reason, keeps the first examples, enforces the limit."""
+
+    def __init__(self, limit: int, input_uri: str):
+        self.limit = limit
+        self.input_uri = input_uri
+        self.by_reason: Counter = Counter()
+        self.examples: list[dict] = []
+
+    @property
+    def count(self) -> int:
+        return sum(self.by_reason.values())
+
+    def add(self, source: str, line: int, reason: str) -> None:
+        self.by_reason[reason] += 1
+        if len(self.examples) < MAX_SKIPPED_EXAMPLES:
+            self.examples.append({"source": source, "line": int(line), "reason": reason})
+        if self.count > self.limit:
+            first = "; ".join(f"{e['source']}:{e['line']} {e['reason']}" for e in self.examples[:ERROR_EXAMPLES])
+            raise PrepareError(f"more than prepare.max_bad_records={self.limit} bad records in "
+                               f"{self.input_uri}; first: {first}")
+
+
+def build_shard_table(ids: np.ndarray, labels: np.ndarray, row_id_start: int) -> pa.Table:
+    n_rows, seq_len = ids.shape
+    lengths = np.full(n_rows, seq_len, dtype=np.int64)
+    return pa.table({
+        "row_id": pa.array(np.arange(row_id_start, row_id_start + n_rows, dtype=np.int64)),
+        "input_ids": build_list_array(ids.ravel(), lengths),
+        "labels": build_list_array(labels.ravel(), lengths),
+    }, schema=SHARD_SCHEMA)
+
+
+class ShardWriter:
+    """Packed rows of one split → `<shard_dir>/<split>-NNNNN.parquet` of `rows_per_shard` rows."""
+
+    def __init__(self, fs: pafs.FileSystem, data_path: str, shard_dir: str, split: str, rows_per_shard: int,
+                 seq_len: int):
+        if rows_per_shard * seq_len >= 2**31:
+            # list<int32> columns carry int32 offsets.
+            raise PrepareError(f"prepare.rows_per_shard ({rows_per_shard}) x data.seq_len ({seq_len}) "
+                               f"must stay under 2**31 tokens per shard")
+        self.fs, self.data_path, self.shard_dir = fs, data_path, shard_dir
+        self.split, self.rows_per_shard = split, rows_per_shard
+        self.shards: list[dict] = []
+        self.rows = 0
+        self._ids: list[np.ndarray] = []
+        self._labels: list[np.ndarray] = []
+        self._buffered = 0
+
+    def add(self, ids: np.ndarray, labels: np.ndarray) -> None:
+        if len(ids):
+            self._ids.append(ids)
+            self._labels.append(labels)
+            self._buffered += len(ids)
+        while self._buffered >= self.rows_per_shard:
+            self._write(self.rows_per_shard)
+
+    def finish(self) -> None:
+        if self._buffered:
+            self._write(self._buffered)
+
+    def _write(self, n_rows: int) -> None:
+        ids, labels = np.concatenate(self._ids), np.concatenate(self._labels)
+        self._ids, self._labels = [ids[n_rows:]], [labels[n_rows:]]
+        self._buffered -= n_rows
+        rel = f"{self.shard_dir}/{self.split}-{len(self.shards):05d}.parquet"
+        path = f"{self.data_path}/{rel}"
+        if isinstance(self.fs, pafs.LocalFileSystem):
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with self.fs.open_output_stream(path) as out:
+            pq.write_table(build_shard_table(ids[:n_rows], labels[:n_rows], self.rows), out)
+        self.shards.append({"path": rel, "rows": n_rows, "row_id_start": self.rows})
+        self.rows += n_rows
+
+
+class SplitBuilder:
+    """Packs one split's documents and streams the rows to its ShardWriter."""
+
+    def __init__(self, seq_len: int, pad_id: int, writer: ShardWriter):
+        self.packer = Packer(seq_len, pad_id)
+        self.writer = writer
+        self.tokens = 0
+        self.label_tokens = 0
+
+    def add(self, ids: np.ndarray, labels: np.ndarray) -> None:
+        self.packer.add(ids, labels)
+        self.tokens += len(ids)
+        self.label_tokens += int(np.count_nonzero(labels != IGNORE_INDEX))
+        self.writer.add(*self.packer.pop_rows())
+
+    def finish(self) -> dict:
+        self.writer.add(*self.packer.finish())
+        self.writer.finish()
+        return {"rows": self.writer.rows, "tokens": self.tokens, "label_tokens": self.label_tokens,
+                "shards": self.writer.shards}
+
+
+def number_parquet_rows(sources: list[str], counters: Counter) -> np.ndarray:
+    """1-based row numbers within each source file, continuing across batches."""
+    lines = np.empty(len(sources), dtype=np.int64)
+    for i, source in enumerate(sources):
+        counters[source] += 1
+        lines[i] = counters[source]
+    return lines
+
+
+def encode_sources(column: pa.ChunkedArray) -> tuple[list[str], np.ndarray]:
+    """A batch's source column → (distinct names, per-row index into them); a batch holds few files."""
+    encoded = column.combine_chunks().dictionary_encode()
+    return encoded.dictionary.to_pylist(), encoded.indices.to_numpy(zero_copy_only=False)
+
+
+def flatten_tokens(batch: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The batch's token lists → (flat input_ids, flat labels, per-document lengths)."""
+    ids_col, labels_col = batch["input_ids"].combine_chunks(), batch["labels"].combine_chunks()
+    lengths = pc.list_value_length(ids_col).to_numpy(zero_copy_only=False).astype(np.int64)
+    return (ids_col.flatten().to_numpy(zero_copy_only=False),
+            labels_col.flatten().to_numpy(zero_copy_only=False), lengths)
+
+
+class DocumentConsumer:
+    """Driver loop body: one tokenized batch → bad records, split assignment, packing."""
+
+    def __init__(self, cfg: JobConfig, splits: dict[str, SplitBuilder], bad: BadRecords):
+        self.fraction = cfg.data.validation_fraction
+        self.number_rows = cfg.prepare.input_format == "parquet"
+        self.splits, self.bad = splits, bad
+        self.read = 0
+        self.used = 0
+        self.row_counters: Counter = Counter()
+        self.source_keys: dict[str, int] = {}
+
+    def add_batch(self, batch: pa.Table) -> None:
+        names, codes = encode_sources(batch["source"])
+        lines = (number_parquet_rows([names[c] for c in codes], self.row_counters) if self.number_rows
+                 else batch["line"].to_numpy(zero_copy_only=False))
+        ok = pc.is_null(batch["reason"]).to_numpy(zero_copy_only=False)
+        self.read += batch.num_rows
+        self.used += int(ok.sum())
+        self.record_bad(batch["reason"], names, codes, lines, ok)
+        is_val = validation_mask(self.lookup_source_keys(names)[codes], lines, self.fraction)
+        ids, labels, lengths = flatten_tokens(batch)
+        for name, doc_mask in (("train", ok & ~is_val), ("validation", ok & is_val)):
+            token_mask = np.repeat(doc_mask, lengths)
+            self.splits[name].add(ids[token_mask], labels[token_mask])
+
+    def record_bad(self, reasons: pa.ChunkedArray, names: list[str], codes: np.ndarray,
+                   lines: np.ndarray, ok: np.ndarray) -> None:
+        bad_rows = np.flatnonzero(~ok)
+        for i, reason in zip(bad_rows, reasons.take(pa.array(bad_rows)).to_pylist()):
+            self.bad.add(names[codes[i]], int(lines[i]), reason)
+
+    def lookup_source_keys(self, names: list[str]) -> np.ndarray:
+        for name in names:
+            if name not in self.source_keys:
+                self.source_keys[name] = source_key(name)
+        return np.array([self.source_keys[n] for n in names], dtype=np.uint64)
+
+
+# -- tokenizer facts ------------------------------------------------------------------------
+
+def fingerprint_tokenizer(tokenizer, local_dir: Path) -> str:
+    path = Path(local_dir) / "tokenizer.json"
+    if path.is_file():
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    vocab = json.dumps(sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]))
+    return hashlib.sha256(vocab.encode()).hexdigest()
+
+
+def describe_tokenizer(cfg: JobConfig, store: Store) -> dict:
+    local_dir = store.cache_locally(cfg.tokenizer_uri)
+    tokenizer = load_tokenizer(store, cfg.tokenizer_uri)
+    if tokenizer.eos_token_id is None:
+        raise PrepareError(f"tokenizer at {cfg.tokenizer_uri} has no eos token (needed between documents)")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return {"uri": cfg.tokenizer_uri, "fingerprint": fingerprint_tokenizer(tokenizer, local_dir),
+            "vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id, "pad_token_id": pad,
+            "bos_token_id": tokenizer.bos_token_id}
+
+
+# -- commit protocol ------------------------------------------------------------------------
+
+def referenced_shard_dirs(manifest: Optional[dict]) -> set[str]:
+    if not manifest:
+        return set()
+    return {shard["path"].split("/", 1)[0] for split in manifest.get("splits", {}).values()
+            for shard in split.get("shards", [])}
+
+
+def read_committed_manifest(store: Store, data_uri: str) -> Optional[dict]:
+    """The committed manifest of any format version (only its shard paths matter here), None if
+    absent; an unreadable one counts as absent, since only an overwrite gets this far."""
+    uri = manifest_uri(data_uri)
+    try:
+        manifest = store.read_json(uri) if store.exists(uri) else None
+    except StorageError:
+        return None
+    return manifest if isinstance(manifest, dict) else None
+
+
+def delete_unreferenced_shards(store: Store, data_uri: str, keep: set[str]) -> None:
+    for name in store.list_dirs(data_uri):
+        if name.startswith(SHARDS_PREFIX) and name not in keep:
+            log.info("prepare: deleting unreferenced %s", join(data_uri, name))
+            store.delete_prefix(join(data_uri, name))
+
+
+def check_not_prepared(cfg: JobConfig, store: Store) -> None:
+    if store.exists(manifest_uri(cfg.data.uri)) and not cfg.prepare.overwrite:
+        raise PrepareError(f"dataset already prepared at {cfg.data.uri} (set prepare.overwrite=true)")
+
+
+# -- the job --------------------------------------------------------------------------------
+
+def build_manifest(cfg: JobConfig, tokenizer: dict, files: list[str], base: str, splits: dict[str, dict],
+                   consumer: DocumentConsumer, bad: BadRecords, wall_s: float) -> dict:
+    tokens = sum(s["tokens"] for s in splits.values())
+    return {
+        "format_version": FORMAT_VERSION,
+        "seq_len": cfg.data.seq_len,
+        "created_at": dt.datetime.now(dt.timezone.utc).isoformat(),
+        "tokenizer": tokenizer,
+        "source": {"input_uri": cfg.prepare.input_uri, "input_format": cfg.prepare.input_format,
+                   "format": cfg.prepare.format, "files": [relative_source(f, base) for f in files]},
+        "splits": splits,
+        "records": {"read": consumer.read, "used": consumer.used, "skipped": bad.count,
+                    "skipped_by_reason": dict(bad.by_reason), "skipped_examples": bad.examples},
+        "stats": {"wall_s": round(wall_s, 3), "tokens_per_s": round(tokens / wall_s, 1) if wall_s > 0 else 0.0},
+    }
+
+
+def stream_documents(ds, consumer: DocumentConsumer) -> None:
+    last_log = time.monotonic()
+    for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
+        consumer.add_batch(batch)
+        if time.monotonic() - last_log > LOG_EVERY_S:
+            last_log = time.monotonic()
+            log.info("prepare: %d records read, %d skipped, %d train rows written",
+                     consumer.read, consumer.bad.count, consumer.splits["train"].writer.rows)
+
+
+def write_dataset(cfg: JobConfig, store: Store, fs: pafs.FileSystem, base: str, files: list[str],
+                  shard_dir: str, pad_id: int) -> tuple[dict[str, dict], DocumentConsumer, BadRecords]:
+    data_fs, data_path = store.resolve(cfg.data.uri)
+    splits = {name: SplitBuilder(cfg.data.seq_len, pad_id,
+                                 ShardWriter(data_fs, data_path, shard_dir, name, cfg.prepare.rows_per_shard,
+                                             cfg.data.seq_len))
+              for name in SPLITS}
+    bad = BadRecords(cfg.prepare.max_bad_records, cfg.prepare.input_uri)
+    consumer = DocumentConsumer(cfg, splits, bad)
+    with preserving_order():
+        stream_documents(build_token_dataset(cfg, store, fs, base, files), consumer)
+    return {name: split.finish() for name, split in splits.items()}, consumer, bad
+
+
+def prepare_dataset(cfg: JobConfig, store: Optional[Store] = None) -> dict:
+    """Run the prepare job for `cfg` and commit `<data.uri>/manifest.json`; returns the manifest."""
+    import ray
+
+    if cfg.prepare is None:
+        raise PrepareError("config has no `prepare` section (set prepare.input_uri)")
+    store = store or Store.from_config(cfg.storage)
+    started = time.monotonic()
+    check_not_prepared(cfg, store)
+    delete_unreferenced_shards(store, cfg.data.uri, referenced_shard_dirs(read_committed_manifest(store, cfg.data.uri)))
+    fs, base, files = list_input_files(store, cfg.prepare.input_uri, cfg.prepare.input_format)
+    tokenizer = describe_tokenizer(cfg, store)
+    if not ray.is_initialized():
+        ray.init()
+    shard_dir = f"{SHARDS_PREFIX}{uuid.uuid4().hex[:12]}"
+    log.info("prepare: %d %s file(s) from %s → %s/%s", len(files), cfg.prepare.input_format,
+             cfg.prepare.input_uri, cfg.data.uri, shard_dir)
+    try:
+        splits, consumer, bad = write_dataset(cfg, store, fs, base, files, shard_dir, tokenizer["pad_token_id"])
+        if not splits["train"]["rows"]:
+            raise PrepareError(f"no training rows from {cfg.prepare.input_uri} ({consumer.read} records read, "
+                               f"{bad.count} skipped, {consumer.used} used, "
+                               f"{splits['validation']['rows']} validation rows)")
+    except BaseException:
+        store.delete_prefix(join(cfg.data.uri, shard_dir))
+        raise
+    manifest = build_manifest(cfg, tokenizer, files, base, splits, consumer, bad, time.monotonic() - started)
+    store.write_json(manifest_uri(cfg.data.uri), manifest)
+    delete_unreferenced_shards(store, cfg.data.uri, {shard_dir})
+    log.info("prepare: committed %s: %d train / %d validation rows, %d tokens, %d records skipped",
+             cfg.data.uri, splits["train"]["rows"], splits["validation"]["rows"],
+             sum(s["tokens"] for s in splits.values()), bad.count)
+    return manifest

@@ -1,0 +1,205 @@
+"""Prepared shards → the rows each worker consumes, in an order fixed by the seed alone.
+
+The data order is a pure function of (manifest, seed), never of the world size or of which
+worker asked for a block first (Ray Data's `streaming_split` hands blocks out first come,
+first served, so it cannot give a reproducible trajectory):
+
+* Epochs follow each other into one endless sequence of rows; a global position `p` is
+  epoch `p // N`, offset `p % N` (N = train rows). Epoch e visits the shards in a permuted
+  order and each shard's rows in a permuted order, both drawn from (seed, epoch[, shard]).
+* Optimizer step k consumes positions [k*G, (k+1)*G) (G = global batch), so the rows of a
+  step are the same at every world size; worker r of W takes slots [r*G/W, (r+1)*G/W).
+* The data position is one integer: rows consumed. Resuming at any world size skips exactly
+  those rows; rows a worker had prefetched but not consumed are simply read again.
+
+Each worker streams its share with Ray Data (`read_parquet` of the shards still ahead, in
+epoch order, and a filter that drops other workers' rows before they leave the read task).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+READ_CPUS = 0.25
+READ_CONCURRENCY = 2
+
+
+@dataclass(frozen=True)
+class DataOrder:
+    """The deterministic visiting order of a split's rows. Small and picklable."""
+
+    shard_starts: tuple[int, ...]  # row_id_start of each shard, in manifest order
+    shard_rows: tuple[int, ...]
+    seed: int
+
+    @classmethod
+    def from_manifest(cls, manifest: dict, seed: int, split: str = "train") -> "DataOrder":
+        shards = manifest["splits"][split]["shards"]
+        return cls(tuple(s["row_id_start"] for s in shards), tuple(s["rows"] for s in shards), seed)
+
+    @property
+    def num_rows(self) -> int:
+        return int(sum(self.shard_rows))
+
+    def shard_order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.shard_rows))
+
+    def row_perm(self, epoch: int, shard: int) -> np.ndarray:
+        """Position within the shard's visit → row index within the shard."""
+        return np.random.default_rng([self.seed, epoch, shard, 1]).permutation(self.shard_rows[shard])
+
+    def epoch_row_ids(self, epoch: int) -> np.ndarray:
+        """All row_ids of an epoch, in visiting order."""
+        parts = [self.shard_starts[s] + self.row_perm(epoch, s) for s in self.shard_order(epoch)]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+    def row_ids_at(self, start: int, stop: int) -> np.ndarray:
+        """row_ids at global positions [start, stop) — what steps start//G .. consumed."""
+        n = self.num_rows
+        out, pos = [], start
+        while pos < stop:
+            epoch, offset = divmod(pos, n)
+            take = min(stop - pos, n - offset)
+            out.append(self.epoch_row_ids(epoch)[offset:offset + take])
+            pos += take
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+    def epoch_positions(self, epoch: int, row_ids: np.ndarray) -> np.ndarray:
+        """Inverse of the visiting order: the within-epoch position of each row_id."""
+        starts = np.asarray(self.shard_starts)
+        shard = np.searchsorted(starts, row_ids, side="right") - 1
+        order = self.shard_order(epoch)
+        rank_of_shard = np.empty_like(order)
+        rank_of_shard[order] = np.arange(len(order))
+        visit_offset = np.zeros(len(order), dtype=np.int64)
+        visit_offset[order] = np.concatenate([[0], np.cumsum(np.asarray(self.shard_rows)[order])[:-1]])
+        positions = np.empty(len(row_ids), dtype=np.int64)
+        for s in np.unique(shard):
+            mask = shard == s
+            inverse = np.empty(self.shard_rows[s], dtype=np.int64)
+            inverse[self.row_perm(epoch, s)] = np.arange(self.shard_rows[s])
+            positions[mask] = visit_offset[s] + inverse[row_ids[mask] - self.shard_starts[s]]
+        return positions
+
+
+@dataclass(frozen=True)
+class RankSlice:
+    """Which global positions one worker consumes: slot ((p - origin) mod G) in [rank*L, (rank+1)*L).
+    `origin` is where the current run's steps started counting (rows consumed at resume), so a
+    global batch changed between runs still splits into whole steps."""
+
+    rank: int
+    world_size: int
+    global_batch: int
+    origin: int = 0
+
+    @property
+    def rows_per_step(self) -> int:
+        return self.global_batch // self.world_size
+
+    def owns(self, positions: np.ndarray) -> np.ndarray:
+        return ((positions - self.origin) % self.global_batch) // self.rows_per_step == self.rank
+
+
+class _KeepRankRows:
+    """Ray Data map_batches fn: keep only this worker's rows at positions >= start."""
+
+    def __init__(self, order: DataOrder, epoch: int, rank_slice: RankSlice, start: int):
+        self.order, self.epoch, self.slice, self.start = order, epoch, rank_slice, start
+
+    def __call__(self, batch: dict) -> dict:
+        row_ids = np.asarray(batch["row_id"], dtype=np.int64)
+        positions = self.epoch * self.order.num_rows + self.order.epoch_positions(self.epoch, row_ids)
+        keep = self.slice.owns(positions) & (positions >= self.start)
+        return {key: np.asarray(value)[keep] for key, value in batch.items()}
+
+
+def _stack(column) -> np.ndarray:
+    if isinstance(column, np.ndarray) and column.dtype != object:
+        return column
+    return np.stack([np.asarray(x) for x in column])
+
+
+def iter_rank_rows(order: DataOrder, shard_uris: list[str], filesystem, rank_slice: RankSlice,
+                   start: int, prefetch_batches: int = 2) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+    """Yield (row_id, input_ids, labels) for this worker, from global position `start` on, forever."""
+    import ray
+
+    configure_data_context()
+    n = order.num_rows
+    epoch = start // n
+    while True:
+        offset = max(start - epoch * n, 0)
+        expected = order.epoch_row_ids(epoch)
+        positions = epoch * n + np.arange(n)
+        expected = expected[rank_slice.owns(positions) & (positions >= start)]
+        shard_seq = order.shard_order(epoch)
+        ends = np.cumsum(np.asarray(order.shard_rows)[shard_seq])
+        first = int(np.searchsorted(ends, offset, side="right"))  # shards wholly consumed are not read
+        paths = [shard_uris[s] for s in shard_seq[first:]]
+        # Few, light read tasks per worker: every worker runs its own pipeline, and a burst of
+        # task processes costs more than it gains on the CPUs the trainer leaves free.
+        ds = ray.data.read_parquet(paths, filesystem=filesystem, columns=["row_id", "input_ids", "labels"],
+                                   num_cpus=READ_CPUS, concurrency=READ_CONCURRENCY)
+        ds = ds.map_batches(_KeepRankRows(order, epoch, rank_slice, start), batch_format="numpy",
+                            batch_size=None, num_cpus=READ_CPUS,
+                            compute=ray.data.TaskPoolStrategy(size=READ_CONCURRENCY))
+        buffered: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        nxt = 0
+        for batch in ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=prefetch_batches):
+            ids, inputs, labels = batch["row_id"], _stack(batch["input_ids"]), _stack(batch["labels"])
+            for i, rid in enumerate(ids.tolist()):
+                buffered[rid] = (inputs[i], labels[i])
+            while nxt < len(expected) and int(expected[nxt]) in buffered:
+                rid = int(expected[nxt])
+                yield (rid, *buffered.pop(rid))
+                nxt += 1
+        if nxt != len(expected):
+            raise RuntimeError(f"epoch {epoch}: stream ended after {nxt} of {len(expected)} rows "
+                               f"(dataset changed under the run?)")
+        epoch += 1
+
+
+def iter_micro_batches(rows: Iterator[tuple[int, np.ndarray, np.ndarray]], micro_batch: int):
+    """Group rows into micro-batches: (row_ids, input_ids [B, T], labels [B, T]) as numpy."""
+    while True:
+        chunk = [next(rows) for _ in range(micro_batch)]
+        yield (np.array([c[0] for c in chunk], dtype=np.int64), np.stack([c[1] for c in chunk]),
+               np.stack([c[2] for c in chunk]))
+
+
+def configure_data_context() -> None:
+    import ray
+
+    ctx = ray.data.DataContext.get_current()
+    # Blocks in input order: the reorder buffer then holds one shard, and limits are stable.
+    ctx.execution_options.preserve_order = True
+    ctx.enable_progress_bars = False
+    # The v2 Parquet reader provisions 32 footer-reader actors per read: seconds of process
+    # start-up per dataset, and every worker builds one per epoch. The v1 reader starts in ms.
+    ctx.use_datasource_v2 = False
+
+
+def load_split_rows(shard_uris: list[str], filesystem, limit: Optional[int] = None) -> dict[str, np.ndarray]:
+    """A small split (validation) read whole, in row_id order."""
+    import ray
+
+    configure_data_context()
+    if not shard_uris:
+        return {"row_id": np.zeros(0, np.int64), "input_ids": np.zeros((0, 0), np.int32),
+                "labels": np.zeros((0, 0), np.int32)}
+    ds = ray.data.read_parquet(shard_uris, filesystem=filesystem, columns=["row_id", "input_ids", "labels"],
+                               num_cpus=READ_CPUS, concurrency=READ_CONCURRENCY)
+    if limit is not None:
+        ds = ds.limit(limit)
+    parts = list(ds.iter_batches(batch_size=None, batch_format="numpy"))
+    row_id = np.concatenate([p["row_id"] for p in parts])
+    order = np.argsort(row_id, kind="stable")
+    return {"row_id": row_id[order],
+            "input_ids": np.concatenate([_stack(p["input_ids"]) for p in parts])[order],
+            "labels": np.concatenate([_stack(p["labels"]) for p in parts])[order]}

@@ -1,0 +1,206 @@
+"""Export: a training checkpoint → a PEFT adapter and/or a merged Hugging Face model.
+
+Runs in one process on CPU. The checkpoint's DCP state dict ({"model", "optim"}) is read
+into the same module tree training saved it from (base + LoRA built from the config), so
+the keys match by construction. Output, under `<run>/export/<checkpoint dir name>/`:
+  adapter/      PEFT `save_pretrained` (LoRA runs)
+  merged/       full model, safetensors, plus tokenizer (with `merge=True`; always for a
+                full fine-tune)
+  export.json   what was exported from which checkpoint; written last, so a reader that
+                finds it finds complete trees
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Optional
+
+from app.config import JobConfig
+from app.storage import Store, StorageError, join
+from app.train.checkpoint import find_latest_checkpoint, is_complete, load_train_state
+from app.train.model import ModelError, check_model_dir, load_pretrained
+
+log = logging.getLogger(__name__)
+
+EXPORT_DIR = "export"
+EXPORT_MANIFEST = "export.json"
+ADAPTER = "adapter"
+MERGED = "merged"
+
+
+class ExportError(RuntimeError):
+    """An export problem, reported as one line naming the run, checkpoint or model at fault."""
+
+
+def export_run(cfg: JobConfig, checkpoint_uri: Optional[str] = None, merge: bool = False,
+               store: Optional[Store] = None) -> dict:
+    """Export one checkpoint of `cfg`'s run (default: the latest complete one).
+
+    Returns the summary also written to export.json: checkpoint URI, step, kinds written
+    and the URI of each output tree.
+    """
+    store = store or Store.from_config(cfg.storage)
+    ckpt_uri = pick_checkpoint(store, cfg.run_uri, checkpoint_uri)
+    step = load_train_state(store, ckpt_uri).get("step")
+    kinds = [ADAPTER, MERGED] if cfg.lora and merge else [ADAPTER] if cfg.lora else [MERGED]
+    out_uri = join(cfg.run_uri, EXPORT_DIR, ckpt_uri.rstrip("/").rsplit("/", 1)[-1])
+    log.info("exporting %s (step %s) as %s to %s", ckpt_uri, step, "+".join(kinds), out_uri)
+
+    base_dir = cache_model_dir(store, cfg.model.uri)
+    model = build_export_model(cfg, base_dir)
+    load_checkpoint_weights(store, model, ckpt_uri, trainable_only=cfg.lora is not None)
+
+    summary = {
+        "run_uri": cfg.run_uri,
+        "checkpoint_uri": ckpt_uri,
+        "step": step,
+        "base_model_uri": cfg.model.uri,
+        "kinds": kinds,
+        "export_uri": out_uri,
+    }
+    with tempfile.TemporaryDirectory(prefix="eft-export-") as tmp:
+        summary.update(write_export_trees(cfg, store, model, base_dir, kinds, Path(tmp), out_uri))
+        publish_export(store, Path(tmp), out_uri, summary)
+    log.info("export complete: %s", out_uri)
+    return summary
+
+
+def write_export_trees(cfg: JobConfig, store: Store, model, base_dir: Path, kinds: list[str],
+                       local_dir: Path, out_uri: str) -> dict:
+    """Write each kind under `local_dir`; returns the summary entries naming where they go."""
+    written = {}
+    # The adapter goes first: merging folds the adapters into the base and removes them.
+    if ADAPTER in kinds:
+        save_adapter(model, cfg.model.uri, local_dir / ADAPTER)
+        written["adapter_uri"] = join(out_uri, ADAPTER)
+    if MERGED in kinds:
+        merged = model.merge_and_unload() if cfg.lora else model
+        written["merged_dtype"] = save_merged(merged, base_dir, store, cfg.tokenizer_uri, local_dir / MERGED)
+        written["merged_uri"] = join(out_uri, MERGED)
+    return written
+
+
+def pick_checkpoint(store: Store, run_uri: str, checkpoint_uri: Optional[str]) -> str:
+    if checkpoint_uri is None:
+        latest = find_latest_checkpoint(store, run_uri)
+        if latest is None:
+            raise ExportError(f"{run_uri}: no complete checkpoint to export")
+        return latest
+    checkpoint_uri = checkpoint_uri.rstrip("/")
+    if not is_complete(store, checkpoint_uri):
+        raise ExportError(f"{checkpoint_uri}: not a complete checkpoint (missing train_state.json, "
+                          f".metadata or a shard it names)")
+    return checkpoint_uri
+
+
+def cache_model_dir(store: Store, model_uri: str) -> Path:
+    # Checked before downloading so a wrong URI fails in one line, not deep in from_pretrained.
+    if not store.exists(join(model_uri, "config.json")):
+        raise ExportError(f"{model_uri}: not a Hugging Face model dir (no config.json)")
+    try:
+        return store.cache_locally(model_uri)
+    except StorageError as err:
+        raise ExportError(f"{model_uri}: cannot fetch base model ({err})") from None
+
+
+def build_export_model(cfg: JobConfig, base_dir: Path):
+    """Base in fp32 on CPU (merging in full precision), with LoRA applied by the same code
+    training uses, so the module tree and its state-dict keys are the ones that were saved."""
+    import torch
+
+    try:
+        check_model_dir(base_dir, cfg.model.uri)
+        return load_pretrained(base_dir, torch.float32, cfg.lora)
+    except ModelError as err:
+        raise ExportError(str(err)) from None
+    except (OSError, ValueError) as err:
+        raise ExportError(f"{cfg.model.uri}: cannot load as a causal LM ({first_line(err)})") from None
+
+
+def load_checkpoint_weights(store: Store, model, ckpt_uri: str, trainable_only: bool) -> None:
+    """Read the checkpoint's "model" entry into `model`; its "optim" entry is never requested,
+    and the default planner reads only the keys of the state dict it is given."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         set_model_state_dict)
+
+    state = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=trainable_only))
+    with tempfile.TemporaryDirectory(prefix="eft-export-ckpt-") as local:
+        store.download_dir(ckpt_uri, local)
+        try:
+            with warnings.catch_warnings():
+                # Loading in one process without a process group is the intent here, not a slip.
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load({"model": state}, checkpoint_id=local, no_dist=True)
+        except (CheckpointException, RuntimeError, ValueError) as err:
+            raise ExportError(f"{ckpt_uri}: checkpoint does not fit the model built from the config "
+                              f"({describe_dcp_error(err)})") from None
+    # The state dict usually aliases the parameters already; setting it makes that explicit
+    # rather than relying on get_model_state_dict returning views.
+    set_model_state_dict(model, state, options=StateDictOptions(strict=False))
+
+
+def save_adapter(model, base_model_uri: str, out_dir: Path) -> None:
+    model.save_pretrained(out_dir, safe_serialization=True)
+    # Record the base's URI, not the node-local cache path it was loaded from. Patched after
+    # saving: PEFT's save reads config.json at that path to check the vocabulary size.
+    config_path = out_dir / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+    config["base_model_name_or_path"] = base_model_uri
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def save_merged(model, base_dir: Path, store: Store, tokenizer_uri: str, out_dir: Path) -> str:
+    """Save in the base checkpoint's own dtype (bf16 for most released models), so the merged
+    model is the size users expect; returns that dtype's name."""
+    import torch
+    from transformers import AutoTokenizer
+
+    dtype_name = read_base_dtype(base_dir)
+    model = model.to(getattr(torch, dtype_name))
+    model.save_pretrained(out_dir, safe_serialization=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(store.cache_locally(tokenizer_uri))
+    except (OSError, ValueError, StorageError) as err:
+        raise ExportError(f"{tokenizer_uri}: cannot load tokenizer ({first_line(err)})") from None
+    tokenizer.save_pretrained(out_dir)
+    return dtype_name
+
+
+def read_base_dtype(base_dir: Path) -> str:
+    import torch
+
+    config = json.loads((base_dir / "config.json").read_text())
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return name if isinstance(getattr(torch, name, None), torch.dtype) else "float32"
+
+
+def publish_export(store: Store, local_dir: Path, out_uri: str, summary: dict) -> None:
+    """Committed-or-absent: any earlier export of this checkpoint goes first, each tree's config
+    file lands after its weights, and export.json lands after everything."""
+    if store.exists(out_uri):
+        store.delete_prefix(out_uri)
+    if (local_dir / ADAPTER).is_dir():
+        store.upload_dir(local_dir / ADAPTER, join(out_uri, ADAPTER), last=("adapter_config.json",))
+    if (local_dir / MERGED).is_dir():
+        store.upload_dir(local_dir / MERGED, join(out_uri, MERGED), last=("config.json",))
+    store.write_json(join(out_uri, EXPORT_MANIFEST), summary)
+
+
+def describe_dcp_error(err: BaseException) -> str:
+    """DCP wraps each rank's failure (a missing key, a shape mismatch) in a CheckpointException
+    whose own text is a traceback; report the first underlying failure instead."""
+    failures = getattr(err, "failures", None)
+    if failures:
+        err = next(iter(failures.values()))[0]
+    return first_line(err)
+
+
+def first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

@@ -1,0 +1,97 @@
+"""Driver side of `eft train`: preflight, then a Ray Train V2 `TorchTrainer` built from the config.
+
+Re-running with the same run name resumes: Ray Train restores its checkpoint manager from
+`<storage>/<name>/` and hands the workers the latest committed checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from app.config import JobConfig, dump_config
+from app.data.prepare import load_manifest
+from app.storage import Store, join
+from app.summary import build_summary, write_summary
+from app.train import checkpoint as ckpt
+from app.train.model import ModelError
+
+log = logging.getLogger("eft.launch")
+
+
+def preflight(cfg: JobConfig, store: Store) -> dict:
+    """Everything that can be checked before Ray starts, each failure one line."""
+    for uri in {cfg.storage.root_uri, cfg.data.uri, cfg.model.uri}:
+        store.check_reachable(uri)
+    if not store.exists(join(cfg.model.uri, "config.json")):
+        raise ModelError(f"{cfg.model.uri}: not a Hugging Face model dir (no config.json)")
+    manifest = load_manifest(store, cfg.data.uri)
+    if manifest["seq_len"] != cfg.data.seq_len:
+        raise ValueError(f"data.seq_len {cfg.data.seq_len} != seq_len {manifest['seq_len']} of the dataset "
+                         f"at {cfg.data.uri}")
+    train_rows = manifest["splits"]["train"]["rows"]
+    if train_rows < cfg.training.global_batch_size:
+        raise ValueError(f"training.global_batch_size {cfg.training.global_batch_size} exceeds the "
+                         f"{train_rows} train rows of {cfg.data.uri}")
+    return manifest
+
+
+def init_ray(num_cpus: int | None = None) -> None:
+    """Join the cluster named by RAY_ADDRESS, or start a local one with CPU slots to spare
+    for Ray Data beside the training workers."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(log_to_driver=True)
+    else:
+        # The dashboard serves the state API that Ray Train's placement-group cleaner polls.
+        ray.init(num_cpus=num_cpus or max(8, 4 * (os.cpu_count() or 2)), include_dashboard=True)
+
+
+def build_trainer(cfg: JobConfig, store: Store):
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from app.train.loop import train_loop_per_worker
+
+    s = cfg.scaling
+    resources = {"CPU": s.cpus_per_worker, **({"GPU": s.gpus_per_worker} if s.use_gpu else {})}
+    num_workers = s.min_workers if s.min_workers == s.max_workers else (s.min_workers, s.max_workers)
+    fs, root = store.resolve(cfg.storage.root_uri)
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"cfg": cfg.model_dump(mode="json")},
+        torch_config=TorchConfig(backend="nccl" if s.use_gpu else "gloo"),
+        scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=s.use_gpu, resources_per_worker=resources),
+        run_config=RunConfig(
+            name=cfg.name, storage_path=root, storage_filesystem=fs,
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.num_to_keep),
+            failure_config=FailureConfig(max_failures=cfg.fault_tolerance.max_failures),
+        ),
+    )
+
+
+def run_training(cfg: JobConfig, store: Store | None = None) -> dict:
+    """Preflight → trainer.fit() → summary.json. Returns the summary."""
+    store = store or Store.from_config(cfg.storage)
+    preflight(cfg, store)
+    init_ray()
+    started = time.time()
+    resumed = ckpt.find_latest_checkpoint(store, cfg.run_uri) is not None
+    # The resolved config is stored with every run; it holds no credentials by construction.
+    store.write_text(join(cfg.run_uri, "config.yaml"), dump_config(cfg))
+    ckpt.record_event(store, cfg.run_uri, "driver_start", resumed=resumed)
+    status, error = "succeeded", None
+    try:
+        build_trainer(cfg, store).fit()
+    except Exception as err:  # the summary records the failure; the CLI re-raises it
+        status, error = "failed", err
+    summary = build_summary(store, cfg, status=status, wall_s=time.time() - started,
+                            error=None if error is None else f"{type(error).__name__}: {error}")
+    write_summary(store, cfg.run_uri, summary)
+    if error is not None:
+        raise error
+    return summary

@@ -1,0 +1,249 @@
+"""`train_loop_per_worker`: what every Ray Train worker runs. Read it top to bottom:
+setup → resume → loop → report.
+
+The optimizer always sees `training.global_batch_size` sequences per step, whatever the
+world size: each worker takes G/W rows per step in `accum = G / (W * micro_batch)` micro-
+batches, and the loss is normalized by the label tokens of the whole global batch, so the
+gradient of step k is the same function of the same rows at every world size.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from app.config import JobConfig
+from app.data.prepare import load_manifest, shard_uris
+from app.data.stream import DataOrder, RankSlice, iter_micro_batches, iter_rank_rows, load_split_rows
+from app.storage import Store
+from app.train import checkpoint as ckpt
+from app.train.metrics import MetricsLog, StepTimer, format_progress
+from app.train.model import build_model, count_parameters, resolve_precision, trainable_parameters
+
+log = logging.getLogger("eft.train")
+IGNORE = -100
+
+
+def lr_at(step: int, total: int, t) -> float:
+    """Warmup then decay, keyed on optimizer steps only (a resize does not bend it)."""
+    if t.warmup_steps and step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    if t.schedule == "constant":
+        return t.lr
+    progress = min(max(step - t.warmup_steps, 0) / max(total - t.warmup_steps, 1), 1.0)
+    decay = 0.5 * (1 + math.cos(math.pi * progress)) if t.schedule == "cosine" else 1 - progress
+    return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * decay)
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    return (seed * 1_000_003 + step * 1_009 + rank) % (2**31 - 1)
+
+
+def total_steps(cfg, train_rows: int) -> int:
+    if cfg.training.max_steps:
+        return cfg.training.max_steps
+    return max(int(cfg.training.epochs * train_rows) // cfg.training.global_batch_size, 1)
+
+
+def setup_worker_logging(rank: int) -> None:
+    # Workers never print; rank 0 logs progress, the others only warnings.
+    level = logging.INFO if rank == 0 else logging.WARNING
+    logging.basicConfig(level=level, format="%(asctime)s [eft] %(message)s", force=True)
+    for noisy in ("ray.data", "ray.train", "transformers", "peft", "accelerate"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def loss_sum(model, input_ids: torch.Tensor, labels: torch.Tensor, autocast_dtype) -> torch.Tensor:
+    """Summed next-token cross-entropy over labelled positions (normalized by the caller)."""
+    with torch.autocast(input_ids.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        logits = model(input_ids=input_ids, use_cache=False).logits
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                           ignore_index=IGNORE, reduction="sum")
+
+
+def label_tokens(labels: np.ndarray) -> int:
+    return int((labels[:, 1:] != IGNORE).sum())
+
+
+def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value
+
+
+def grad_sync_context(model, enabled: bool):
+    """Skip the gradient all-reduce on all but the last micro-batch of a step."""
+    import contextlib
+
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(enabled)
+        return contextlib.nullcontext()
+    return contextlib.nullcontext() if enabled else model.no_sync()  # DDP
+
+
+def to_scalar(t: torch.Tensor) -> float:
+    if hasattr(t, "full_tensor"):
+        t = t.full_tensor()
+    return float(t.item())
+
+
+@torch.no_grad()
+def evaluate(model, val: dict, rank: int, world: int, micro_batch: int, device, autocast_dtype) -> Optional[float]:
+    """Validation loss over the held-out rows; every rank runs the same number of forwards
+    (FSDP2 all-gathers in each), padding its share with rows that carry no labels."""
+    n = len(val["row_id"])
+    if n == 0:
+        return None
+    model.eval()
+    per_rank = math.ceil(n / world)
+    per_rank = math.ceil(per_rank / micro_batch) * micro_batch
+    idx = np.arange(rank, n, world)
+    inputs, labels = val["input_ids"][idx], val["labels"][idx]
+    pad = per_rank - len(idx)
+    if pad:
+        inputs = np.concatenate([inputs, np.repeat(val["input_ids"][:1], pad, 0)])
+        labels = np.concatenate([labels, np.full((pad, labels.shape[1]), IGNORE, labels.dtype)])
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for i in range(0, per_rank, micro_batch):
+        x = torch.as_tensor(inputs[i:i + micro_batch], dtype=torch.long, device=device)
+        y = torch.as_tensor(labels[i:i + micro_batch], dtype=torch.long, device=device)
+        total[0] += loss_sum(model, x, y, autocast_dtype).double()
+        total[1] += float(label_tokens(labels[i:i + micro_batch]))
+    all_reduce_sum(total)
+    model.train()
+    return float(total[0] / total[1].clamp(min=1))
+
+
+def train_loop_per_worker(config: dict) -> None:
+    import ray.train
+    import ray.train.torch
+
+    # --- setup -------------------------------------------------------------------
+    cfg = JobConfig.model_validate(config["cfg"])
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    setup_worker_logging(rank)
+    store = Store.from_config(cfg.storage)
+    device = ray.train.torch.get_device()
+    t = cfg.training
+    accum = t.global_batch_size // (world * t.micro_batch_size)
+    if accum * world * t.micro_batch_size != t.global_batch_size:
+        raise ValueError(f"training.global_batch_size {t.global_batch_size} cannot be split into "
+                         f"{world} workers x micro_batch_size {t.micro_batch_size}")
+
+    manifest = load_manifest(store, cfg.data.uri)
+    order = DataOrder.from_manifest(manifest, t.seed)
+    steps_total = total_steps(cfg, order.num_rows)
+    data_fs, _ = store.resolve(cfg.data.uri)
+    train_shards = [store.resolve(u)[1] for u in shard_uris(cfg.data.uri, manifest, "train")]
+
+    local_dir = store.cache_locally(cfg.model.uri)
+    model = build_model(cfg, local_dir, device, rank, world)
+    precision = resolve_precision(cfg, device)
+    autocast_dtype = precision.param_dtype if t.parallelism == "ddp" else None
+    params = trainable_parameters(model)
+    optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
+    n_trainable, n_total = count_parameters(model)
+    val = {"row_id": []}
+    if t.eval_every_steps and manifest["splits"].get("validation", {}).get("rows"):
+        val_shards = [store.resolve(u)[1] for u in shard_uris(cfg.data.uri, manifest, "validation")]
+        val = load_split_rows(val_shards, data_fs, limit=t.eval_max_batches * t.global_batch_size)
+
+    # --- resume ------------------------------------------------------------------
+    state = ckpt.restore(ray.train.get_checkpoint(), model, optimizer, lora=cfg.lora is not None)
+    step, rows_consumed = state.step, state.rows_consumed
+    metrics = MetricsLog(store, cfg.run_uri, enabled=rank == 0)
+    metrics.load(up_to_step=step)
+    if rank == 0:
+        log.info("world %d x accum %d x micro %d = global batch %d | params %.2fM trainable of %.2fM | "
+                 "%s from step %d of %d", world, accum, t.micro_batch_size, t.global_batch_size,
+                 n_trainable / 1e6, n_total / 1e6, "resuming" if step else "starting", step, steps_total)
+        ckpt.record_event(store, cfg.run_uri, "worker_group_start", world_size=world,
+                          resumed_from_step=step if state.restored else None)
+
+    rows = iter_rank_rows(order, train_shards, data_fs, RankSlice(rank, world, t.global_batch_size, origin=rows_consumed),
+                          start=rows_consumed)
+    batches = iter_micro_batches(rows, t.micro_batch_size)
+    timer = StepTimer(steps_total, start_step=step)
+    tokens_per_step = t.global_batch_size * cfg.data.seq_len
+    loss_acc = torch.zeros((), dtype=torch.float64, device=device)
+    nonfinite = torch.zeros((), dtype=torch.bool, device=device)
+    last_saved = step if state.restored else None
+
+    # --- loop --------------------------------------------------------------------
+    model.train()
+    while step < steps_total:
+        lr = lr_at(step, steps_total, t)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        # Dropout masks are a function of (seed, step, rank): a resumed step redraws the same.
+        torch.manual_seed(step_seed(t.seed, step, rank))
+
+        timer.start_data()
+        micro = [next(batches) for _ in range(accum)]
+        timer.end_data()
+        global_tokens = all_reduce_sum(torch.tensor(float(sum(label_tokens(m[2]) for m in micro)),
+                                                    dtype=torch.float64, device=device))
+        scale = world / global_tokens.clamp(min=1)
+        for i, (_, inputs, labels) in enumerate(micro):
+            x = torch.as_tensor(inputs, dtype=torch.long, device=device)
+            y = torch.as_tensor(labels, dtype=torch.long, device=device)
+            with grad_sync_context(model, enabled=i == accum - 1):
+                loss = loss_sum(model, x, y, autocast_dtype)
+                (loss * scale).backward()
+            loss_acc += loss.detach().double()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip_norm or float("inf"))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        nonfinite |= ~torch.isfinite(loss_acc)
+        step += 1
+        rows_consumed += t.global_batch_size
+
+        is_eval = bool(t.eval_every_steps) and (step % t.eval_every_steps == 0 or step == steps_total)
+        if is_eval or step % t.log_every_steps == 0 or step == steps_total:
+            # Logging steps are the only host syncs in the loop.
+            train_loss = float(all_reduce_sum(loss_acc.clone()) / global_tokens)
+            if bool(nonfinite) or not math.isfinite(train_loss):
+                raise FloatingPointError(f"non-finite loss {train_loss} at step {step}; stopping")
+            record = {"step": step, "loss": train_loss, "lr": lr, "grad_norm": to_scalar(grad_norm),
+                      "world_size": world, "rows_consumed": rows_consumed, "epoch": rows_consumed / order.num_rows,
+                      **timer.end_step(step, tokens_per_step)}
+            if t.trace_rows:
+                record["row_ids"] = gather_row_ids(micro, world, device)
+            loss_acc.zero_()
+            if is_eval:
+                val_loss = evaluate(model, val, rank, world, t.micro_batch_size, device, autocast_dtype)
+                if val_loss is not None:
+                    record["val_loss"] = val_loss
+            metrics.append(record)
+            if rank == 0:
+                log.info(format_progress(record, steps_total))
+        else:
+            timer.skip_step()
+
+        if step % cfg.checkpoint.save_every_steps == 0 or step == steps_total:
+            ckpt.save(cfg, store, model, optimizer, step=step, rows_consumed=rows_consumed, world_size=world,
+                      metrics=metrics.latest(), rank=rank)
+            metrics.flush()
+            last_saved = step
+
+    # --- report ------------------------------------------------------------------
+    if last_saved != step:  # resumed at the final step: nothing new, but report once
+        ray.train.report(metrics.latest() or {"step": step})
+    metrics.flush()
+    if rank == 0:
+        log.info("done: %d steps, %d rows consumed", step, rows_consumed)
+
+
+def gather_row_ids(micro, world: int, device) -> list[int]:
+    """The global batch's row_ids in slot order (rank 0 first); tracing only."""
+    mine = torch.as_tensor(np.concatenate([m[0] for m in micro]), dtype=torch.long, device=device)
+    out = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(out, mine)
+    return torch.cat(out).cpu().tolist()

@@ -1,0 +1,103 @@
+"""The shipped job configs load, and bad configs fail in one line naming the key at fault."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import yaml
+
+from app.config import ConfigError, load_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "jobs" / "configs"
+TINY = CONFIGS / "tiny-cpu.yaml"
+
+
+def write_variant(tmp_path: Path, change: Callable[[dict], None]) -> Path:
+    """tiny-cpu.yaml with one change applied, written next to the test."""
+    tree = yaml.safe_load(TINY.read_text())
+    change(tree)
+    path = tmp_path / "variant.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def config_error(path: Path, overrides: list[str] | None = None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_the_shipped_configs_are_all_here():
+    assert {"tiny-cpu.yaml", "llama3-8b-lora.yaml", "llama3-70b-lora.yaml"} <= {p.name for p in CONFIGS.glob("*.yaml")}
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    cfg = load_config(path)
+    assert cfg.name == path.stem
+
+
+def test_tiny_cpu_fits_the_two_core_machine():
+    cfg = load_config(TINY)
+    assert (cfg.scaling.min_workers, cfg.scaling.max_workers, cfg.scaling.use_gpu) == (2, 2, False)
+    assert cfg.scaling.min_workers * cfg.scaling.cpus_per_worker <= 2
+    assert cfg.model.uri == "s3://eft/models/tiny-llama" and cfg.run_uri == "s3://eft/runs/tiny-cpu"
+
+
+def test_unknown_key_is_named(tmp_path):
+    path = write_variant(tmp_path, lambda t: t["training"].update(lr_typo=0.1))
+    message = config_error(path)
+    assert "training.lr_typo" in message and "unknown key" in message and str(path) in message
+
+
+def test_wrong_type_is_named(tmp_path):
+    path = write_variant(tmp_path, lambda t: t["training"].update(max_steps="many"))
+    assert "training.max_steps" in config_error(path)
+
+
+def test_missing_required_key_is_named(tmp_path):
+    path = write_variant(tmp_path, lambda t: t["model"].pop("uri"))
+    message = config_error(path)
+    assert "model.uri" in message and "required" in message.lower()
+
+
+def test_min_workers_above_max_workers_is_named(tmp_path):
+    path = write_variant(tmp_path, lambda t: t["scaling"].update(min_workers=3, max_workers=2))
+    assert "scaling.min_workers (3) > scaling.max_workers (2)" in config_error(path)
+
+
+def test_indivisible_global_batch_names_the_world_size(tmp_path):
+    # 8 sequences split at 2 workers x 2, but not at 3 workers x 2.
+    path = write_variant(tmp_path, lambda t: t["scaling"].update(min_workers=2, max_workers=3))
+    message = config_error(path)
+    assert "training.global_batch_size" in message and "world size 3" in message
+
+
+def test_overrides_parse_to_typed_values():
+    cfg = load_config(TINY, ["training.max_steps=5", "lora.r=4", "training.lr=1.0e-4"])
+    assert cfg.training.max_steps == 5 and cfg.lora.r == 4 and cfg.training.lr == pytest.approx(1e-4)
+
+
+def test_override_can_turn_lora_off():
+    assert load_config(TINY, ["lora=null"]).lora is None
+
+
+def test_override_of_an_unknown_key_is_named():
+    assert "training.lr_typo" in config_error(TINY, ["training.lr_typo=1"])
+
+
+def test_override_without_a_value_is_rejected():
+    assert "training.max_steps" in config_error(TINY, ["training.max_steps"])
+
+
+def test_override_into_a_scalar_is_rejected():
+    assert "'max_steps' is not a section" in config_error(TINY, ["training.max_steps.x=1"])
+
+
+def test_missing_file_is_named(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    assert str(missing) in config_error(missing)

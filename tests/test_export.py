@@ -1,0 +1,231 @@
+"""Export against a real S3 endpoint, loaded back with real PEFT / transformers.
+
+Checkpoints are written the way training writes them (DCP of {"model": trainable params,
+"optim": optimizer state} plus train_state.json under <run>/checkpoint-<step>/), only from
+one process instead of a Ray worker group.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from app.config import build_config
+from app.export import ExportError, export_run
+from app.storage import Store, join
+from app.tiny import build_corpus, save_tiny_base
+from app.train.checkpoint import checkpoint_dir_name, find_latest_checkpoint
+from app.train.model import build_peft_config
+
+# The test writes checkpoints from one process, which DCP supports but warns about.
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+RUNS = "s3://eft/export-test-runs"
+PROMPT = "The return statement leaves the current function call"
+
+
+@pytest.fixture(scope="module")
+def base_uri(s3):
+    return save_tiny_base(Store(), "s3://eft/models/export-tiny", texts=build_corpus(max_docs=300), vocab_size=384)
+
+
+def make_cfg(name: str, base_uri: str, lora: bool = True):
+    tree = {
+        "name": name,
+        "model": {"uri": base_uri},
+        "data": {"uri": "s3://eft/data/unused"},
+        "training": {"max_steps": 10},
+        "storage": {"root_uri": RUNS},
+    }
+    if lora:
+        tree["lora"] = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "o_proj"]}
+    return build_config(tree)
+
+
+def load_base(base_uri: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(Store().cache_locally(base_uri), dtype=torch.float32)
+
+
+def build_trained_model(cfg, seed: int):
+    """The model training would hold at a checkpoint: an optimizer step taken, then its
+    trainable weights set to known, non-zero values (LoRA B starts at zero otherwise)."""
+    import peft
+
+    model = load_base(cfg.model.uri)
+    if cfg.lora:
+        model = peft.get_peft_model(model, build_peft_config(cfg.lora))
+    params = [p for p in model.parameters() if p.requires_grad]
+    optim = torch.optim.AdamW(params, lr=1e-3)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(seed))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optim.step()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in params:
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    return model.eval(), optim
+
+
+def trainable_weights(model) -> dict[str, torch.Tensor]:
+    return {k: p.detach().clone() for k, p in model.named_parameters() if p.requires_grad}
+
+
+def write_checkpoint(store: Store, run_uri: str, model, optim, step: int, trainable_only: bool) -> str:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    state = {
+        "model": get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=trainable_only)),
+        "optim": get_optimizer_state_dict(model, optim),
+    }
+    uri = join(run_uri, checkpoint_dir_name(step))
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp.save(state, checkpoint_id=tmp, no_dist=True)
+        Path(tmp, "train_state.json").write_text(json.dumps({"step": step, "rows_consumed": step * 8, "seed": 0}))
+        store.upload_dir(tmp, uri, last=("train_state.json",))
+    return uri
+
+
+def download(store: Store, uri: str, dest: Path) -> Path:
+    store.download_dir(uri, dest)
+    return dest
+
+
+def logits_of(model, tokenizer) -> torch.Tensor:
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+@pytest.fixture(scope="module")
+def lora_run(base_uri):
+    """A LoRA run with a checkpoint at step 7, exported with merge=True."""
+    store = Store()
+    cfg = make_cfg("lora-run", base_uri)
+    model, optim = build_trained_model(cfg, seed=1)
+    ckpt = write_checkpoint(store, cfg.run_uri, model, optim, step=7, trainable_only=True)
+    summary = export_run(cfg, merge=True, store=store)
+    return cfg, model, trainable_weights(model), ckpt, summary
+
+
+def test_lora_export_summary_and_layout(lora_run):
+    cfg, _, _, ckpt, summary = lora_run
+    store = Store()
+    out = join(cfg.run_uri, "export", "checkpoint-00000007")
+    assert summary["checkpoint_uri"] == ckpt and summary["step"] == 7
+    assert summary["kinds"] == ["adapter", "merged"]
+    assert summary["adapter_uri"] == join(out, "adapter") and summary["merged_uri"] == join(out, "merged")
+    assert store.read_json(join(out, "export.json")) == summary
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(store.list_files(join(out, "adapter")))
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(store.list_files(join(out, "merged")))
+
+
+def test_adapter_loads_with_exactly_the_checkpoint_weights(lora_run, base_uri, tmp_path):
+    from peft import PeftModel
+
+    _, _, expected, _, summary = lora_run
+    adapter_dir = download(Store(), summary["adapter_uri"], tmp_path / "adapter")
+    assert json.loads((adapter_dir / "adapter_config.json").read_text())["base_model_name_or_path"] == base_uri
+    loaded = PeftModel.from_pretrained(load_base(base_uri), adapter_dir)
+    got = {k: p.detach() for k, p in loaded.named_parameters() if "lora_" in k}
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(got[key], value), key
+
+
+def test_merged_model_matches_peft_logits_and_generates(lora_run, base_uri, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _, _, _, _, summary = lora_run
+    store = Store()
+    merged_dir = download(store, summary["merged_uri"], tmp_path / "merged")
+    adapter_dir = download(store, summary["adapter_uri"], tmp_path / "adapter")
+    tokenizer = AutoTokenizer.from_pretrained(merged_dir)
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir).eval()
+    peft_model = PeftModel.from_pretrained(load_base(base_uri), adapter_dir).eval()
+
+    want = logits_of(peft_model, tokenizer)
+    torch.testing.assert_close(logits_of(merged, tokenizer), want, atol=1e-5, rtol=0)
+    # The adapter must actually change the model, or the comparison above proves nothing.
+    assert not torch.allclose(logits_of(load_base(base_uri).eval(), tokenizer), want, atol=1e-3)
+
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    out = merged.generate(input_ids=ids, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    assert out.shape[1] > ids.shape[1]
+    assert isinstance(tokenizer.decode(out[0, ids.shape[1]:]), str)
+
+
+def test_reexport_without_merge_replaces_the_earlier_export(lora_run):
+    cfg, _, _, _, _ = lora_run
+    store = Store()
+    summary = export_run(cfg, merge=False, store=store)
+    assert summary["kinds"] == ["adapter"] and "merged_uri" not in summary
+    out = summary["export_uri"]
+    assert not store.list_files(join(out, "merged"))
+    assert store.read_json(join(out, "export.json"))["kinds"] == ["adapter"]
+
+
+def test_full_finetune_export_writes_the_trained_model(base_uri, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    store = Store()
+    cfg = make_cfg("full-run", base_uri, lora=False)
+    model, optim = build_trained_model(cfg, seed=2)
+    write_checkpoint(store, cfg.run_uri, model, optim, step=3, trainable_only=False)
+
+    summary = export_run(cfg, store=store)
+    assert summary["kinds"] == ["merged"] and summary["step"] == 3 and "adapter_uri" not in summary
+    merged_dir = download(store, summary["merged_uri"], tmp_path / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir).eval()
+    for key, value in trainable_weights(model).items():
+        assert torch.equal(dict(merged.named_parameters())[key], value), key
+    tokenizer = AutoTokenizer.from_pretrained(merged_dir)
+    torch.testing.assert_close(logits_of(merged, tokenizer), logits_of(model, tokenizer), atol=1e-5, rtol=0)
+
+
+def test_run_without_checkpoints_is_an_error_naming_the_run(base_uri):
+    cfg = make_cfg("never-trained", base_uri)
+    with pytest.raises(ExportError, match="never-trained") as info:
+        export_run(cfg, store=Store())
+    assert "\n" not in str(info.value)
+
+
+def test_incomplete_checkpoint_is_skipped_and_rejected_when_named(base_uri):
+    store = Store()
+    cfg = make_cfg("cut-off-run", base_uri)
+    model, optim = build_trained_model(cfg, seed=3)
+    good = write_checkpoint(store, cfg.run_uri, model, optim, step=5, trainable_only=True)
+    bad = write_checkpoint(store, cfg.run_uri, model, optim, step=10, trainable_only=True)
+    shard = next(f for f in store.list_files(bad) if f.endswith(".distcp"))
+    store.delete_prefix(join(bad, shard))
+
+    assert find_latest_checkpoint(store, cfg.run_uri) == good
+    assert export_run(cfg, store=store)["checkpoint_uri"] == good
+    with pytest.raises(ExportError, match="checkpoint-00000010") as info:
+        export_run(cfg, checkpoint_uri=bad, store=store)
+    assert "\n" not in str(info.value)
+
+
+def test_checkpoint_from_a_different_lora_shape_is_an_error_naming_it(lora_run, base_uri):
+    _, _, _, ckpt, _ = lora_run
+    cfg = make_cfg("lora-run", base_uri).model_copy(deep=True)
+    cfg.lora.r = 8
+    with pytest.raises(ExportError, match="checkpoint-00000007") as info:
+        export_run(cfg, checkpoint_uri=ckpt, store=Store())
+    assert "\n" not in str(info.value)
+
+
+def test_model_uri_that_is_not_a_model_dir_is_an_error_naming_it(lora_run):
+    cfg = lora_run[0].model_copy(deep=True)
+    cfg.model.uri = "s3://eft/models/no-such-model"
+    with pytest.raises(ExportError, match="s3://eft/models/no-such-model") as info:
+        export_run(cfg, store=Store())
+    assert "\n" not in str(info.value)

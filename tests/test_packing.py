@@ -1,0 +1,226 @@
+"""Unit tests for record parsing and packing: pure functions, no Ray, no storage."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from app.data.formats import Document, Skip, build_document, parse_jsonl_line
+from app.data.packing import (
+    IGNORE_INDEX, Packer, build_example, build_examples_flat, flatten_token_lists, pack_examples,
+    source_key, tokenize_document, tokenize_documents, validation_mask,
+)
+
+BOS, EOS, PAD = 0, 1, 2
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from app.tiny import build_corpus, build_tiny_tokenizer
+
+    return build_tiny_tokenizer(build_corpus(max_docs=100), vocab_size=300)
+
+
+# -- formats ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("line, reason", [
+    ('{"text": "hello"', "bad JSON"),
+    ("not json at all", "bad JSON"),
+    (b'{"text": "\xff\xfe"}', "not UTF-8"),
+    ('["a", "b"]', "not an object"),
+    ('"just a string"', "not an object"),
+    ('{"body": "hello"}', "missing field 'text'"),
+    ('{"text": null}', "missing field 'text'"),
+    ('{"text": 42}', "field 'text' is not a string"),
+    ('{"text": ""}', "empty text"),
+    ('{"text": "  \\n\\t "}', "empty text"),
+])
+def test_bad_text_records_give_their_reason(line, reason):
+    assert parse_jsonl_line(line) == Skip(reason)
+
+
+def test_text_record_becomes_document_with_custom_field():
+    assert parse_jsonl_line(b'{"body": "some words", "text": 1}', text_field="body") == Document("some words")
+
+
+@pytest.mark.parametrize("record, expected", [
+    ({"instruction": "Add 2+2.", "response": "4"}, Document("4", "Add 2+2.")),
+    ({"instruction": "Add 2+2."}, Skip("missing field 'response'")),
+    ({"response": "4"}, Skip("missing field 'instruction'")),
+    ({"instruction": " ", "response": "4"}, Skip("empty instruction")),
+    ({"instruction": "Add 2+2.", "response": ""}, Skip("empty response")),
+    ([1, 2], Skip("not an object")),
+])
+def test_instruction_records(record, expected):
+    assert build_document(record, "instruction") == expected
+
+
+def test_instruction_record_with_custom_fields():
+    line = json.dumps({"q": "Why?", "a": "Because."})
+    assert parse_jsonl_line(line, "instruction", prompt_field="q", response_field="a") == Document("Because.", "Why?")
+
+
+def test_unknown_format_is_rejected():
+    with pytest.raises(ValueError, match="unknown record format"):
+        build_document({"text": "x"}, "chat")
+
+
+# -- examples ---------------------------------------------------------------------------
+
+def test_text_example_wraps_tokens_in_bos_and_eos_with_labels_equal():
+    ids, labels = build_example([10, 11, 12], eos_id=EOS, bos_id=BOS)
+    assert ids.tolist() == [BOS, 10, 11, 12, EOS]
+    assert labels.tolist() == ids.tolist()
+    assert ids.dtype == np.int32 and labels.dtype == np.int32
+
+
+def test_text_example_without_bos():
+    ids, labels = build_example([10, 11], eos_id=EOS, bos_id=None)
+    assert ids.tolist() == [10, 11, EOS]
+    assert labels.tolist() == [10, 11, EOS]
+
+
+def test_instruction_example_masks_bos_and_prompt():
+    ids, labels = build_example([20, 21], eos_id=EOS, bos_id=BOS, prompt_ids=[30, 31, 32])
+    assert ids.tolist() == [BOS, 30, 31, 32, 20, 21, EOS]
+    assert labels.tolist() == [IGNORE_INDEX] * 4 + [20, 21, EOS]
+
+
+def test_flat_batch_matches_one_by_one():
+    bodies = [[5, 6, 7], [8], [9, 10, 11, 12]]
+    prompts = [[40], [], [41, 42]]
+    body, body_len = flatten_token_lists(bodies)
+    prompt, prompt_len = flatten_token_lists(prompts)
+    ids, labels, lengths = build_examples_flat(body, body_len, EOS, BOS, prompt, prompt_len)
+    singles = [build_example(b, EOS, BOS, p if p else None) for b, p in zip(bodies, prompts)]
+    assert lengths.tolist() == [len(s[0]) for s in singles]
+    assert ids.tolist() == [t for s in singles for t in s[0].tolist()]
+    assert labels.tolist() == [t for s in singles for t in s[1].tolist()]
+
+
+def test_empty_batch_gives_empty_arrays():
+    body, body_len = flatten_token_lists([])
+    ids, labels, lengths = build_examples_flat(body, body_len, EOS, BOS)
+    assert len(ids) == len(labels) == len(lengths) == 0
+
+
+def test_tokenize_document_uses_the_tokenizer_specials(tokenizer):
+    text = "The quick brown fox jumps over the lazy dog."
+    ids, labels = tokenize_document(tokenizer, Document(text))
+    body = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert ids.tolist() == [tokenizer.bos_token_id, *body, tokenizer.eos_token_id]
+    assert labels.tolist() == ids.tolist()
+    assert tokenizer.decode(ids[1:-1]) == text
+
+
+def test_special_token_text_in_data_is_not_a_special_token(tokenizer):
+    ids, _ = tokenize_document(tokenizer, Document(f"one {tokenizer.eos_token} two"))
+    assert ids.tolist().count(tokenizer.eos_token_id) == 1 and ids[-1] == tokenizer.eos_token_id
+
+
+def test_byte_order_mark_is_tolerated():
+    assert parse_jsonl_line('\ufeff{"text": "hi"}'.encode()) == Document("hi")
+
+
+def test_tokenize_instruction_labels_only_the_response(tokenizer):
+    doc = Document("It returns None.", "What does print return?")
+    ids, labels = tokenize_document(tokenizer, doc)
+    n_prompt = len(tokenizer(doc.prompt, add_special_tokens=False)["input_ids"])
+    assert (labels[: 1 + n_prompt] == IGNORE_INDEX).all()
+    assert tokenizer.decode(labels[1 + n_prompt:-1]) == doc.text
+    assert labels[-1] == tokenizer.eos_token_id
+    assert tokenizer.decode(ids[1:1 + n_prompt]) == doc.prompt
+
+
+def test_tokenize_documents_mixes_formats_in_order(tokenizer):
+    docs = [Document("alpha beta"), Document("gamma", "delta?"), Document("epsilon")]
+    ids, labels, lengths = tokenize_documents(tokenizer, docs)
+    offset = 0
+    for doc, n in zip(docs, lengths):
+        one_ids, one_labels = tokenize_document(tokenizer, doc)
+        assert ids[offset:offset + n].tolist() == one_ids.tolist()
+        assert labels[offset:offset + n].tolist() == one_labels.tolist()
+        offset += n
+    assert offset == len(ids)
+
+
+# -- packing ----------------------------------------------------------------------------
+
+def doc(*tokens):
+    return build_example(list(tokens), eos_id=EOS, bos_id=BOS)
+
+
+def test_packing_puts_eos_between_documents_and_pads_last_row():
+    ids, labels = pack_examples([doc(10, 11), doc(12)], seq_len=4, pad_id=PAD)
+    assert ids.tolist() == [[BOS, 10, 11, EOS], [BOS, 12, EOS, PAD]]
+    assert labels.tolist() == [[BOS, 10, 11, EOS], [BOS, 12, EOS, IGNORE_INDEX]]
+
+
+def test_long_document_is_split_across_rows_not_dropped():
+    long_doc = doc(*range(10, 23))  # 15 tokens with bos/eos
+    ids, labels = pack_examples([doc(5), long_doc, doc(6)], seq_len=4, pad_id=PAD)
+    flat = ids.ravel().tolist()
+    assert ids.shape == (6, 4)
+    assert flat[:21] == [BOS, 5, EOS, *long_doc[0].tolist(), BOS, 6, EOS]
+    assert flat[21:] == [PAD] * 3
+    assert labels.ravel().tolist()[21:] == [IGNORE_INDEX] * 3
+
+
+def test_exact_fit_has_no_padding_row():
+    ids, labels = pack_examples([doc(10, 11), doc(12, 13)], seq_len=4, pad_id=PAD)
+    assert ids.shape == (2, 4)
+    assert PAD not in ids.ravel().tolist()
+    assert IGNORE_INDEX not in labels.ravel().tolist()
+
+
+def test_instruction_masks_survive_packing():
+    example = build_example([20, 21], eos_id=EOS, bos_id=BOS, prompt_ids=[30, 31])
+    ids, labels = pack_examples([example, example], seq_len=5, pad_id=PAD)
+    assert labels.ravel().tolist()[:6] == [IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX, 20, 21, EOS]
+    assert labels.ravel().tolist()[-3:] == [IGNORE_INDEX] * 3
+    assert ids.ravel().tolist()[-3:] == [PAD] * 3
+
+
+def test_packer_streams_the_same_rows_as_one_shot():
+    rng = np.random.default_rng(0)
+    examples = [doc(*rng.integers(3, 500, size=rng.integers(1, 40)).tolist()) for _ in range(200)]
+    expected_ids, expected_labels = pack_examples(examples, seq_len=16, pad_id=PAD)
+    packer, got_ids, got_labels = Packer(16, PAD), [], []
+    for start in range(0, len(examples), 7):  # several documents per add, as the driver does
+        chunk = examples[start:start + 7]
+        packer.add(np.concatenate([e[0] for e in chunk]), np.concatenate([e[1] for e in chunk]))
+        rows = packer.pop_rows()
+        got_ids.append(rows[0])
+        got_labels.append(rows[1])
+        assert packer.pending_tokens < 16
+    final = packer.finish()
+    np.testing.assert_array_equal(np.concatenate([*got_ids, final[0]]), expected_ids)
+    np.testing.assert_array_equal(np.concatenate([*got_labels, final[1]]), expected_labels)
+    assert packer.pending_tokens == 0
+    assert sum(len(e[0]) for e in examples) <= expected_ids.size < sum(len(e[0]) for e in examples) + 16
+
+
+def test_packer_rejects_mismatched_lengths():
+    with pytest.raises(ValueError, match="differ in length"):
+        Packer(4, PAD).add(np.array([1, 2]), np.array([1]))
+
+
+def test_nothing_in_gives_no_rows():
+    ids, labels = pack_examples([], seq_len=8, pad_id=PAD)
+    assert ids.shape == labels.shape == (0, 8)
+
+
+# -- validation split -------------------------------------------------------------------
+
+def test_validation_mask_is_stable_and_close_to_the_fraction():
+    keys = np.full(20_000, source_key("part-0.jsonl"), dtype=np.uint64)
+    lines = np.arange(1, 20_001)
+    mask = validation_mask(keys, lines, 0.1)
+    assert 0.09 < mask.mean() < 0.11
+    np.testing.assert_array_equal(mask, validation_mask(keys, lines, 0.1))
+    other = validation_mask(np.full(20_000, source_key("part-1.jsonl"), dtype=np.uint64), lines, 0.1)
+    assert (mask != other).any()
+    assert not validation_mask(keys, lines, 0.0).any()
+    assert source_key("a.jsonl") == source_key("a.jsonl") != source_key("b.jsonl")

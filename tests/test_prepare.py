@@ -1,0 +1,248 @@
+"""The prepare stage end to end: a real S3 endpoint, a real Ray cluster, a real tokenizer."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from app.config import JobConfig, build_config
+from app.data.packing import IGNORE_INDEX
+from app.data.prepare import DatasetError, PrepareError, load_manifest, prepare_dataset, shard_uris
+from app.storage import Store
+from app.tiny import build_corpus, save_tiny_base
+
+BASE_URI = "s3://eft/models/tiny-prepare"
+SEQ_LEN = 64
+# (1-based line, raw line) for the bad lines spliced into a JSONL file.
+BAD_LINES = [(3, '{"text": "unterminated'), (6, '{"body": "no text field"}'), (9, '{"text": "   "}')]
+SHARD_SCHEMA = pa.schema([("row_id", pa.int64()), ("input_ids", pa.list_(pa.int32())),
+                          ("labels", pa.list_(pa.int32()))])
+EXPECTED_SKIPS = [
+    {"source": "part-1.jsonl", "line": 3, "reason": "bad JSON"},
+    {"source": "part-1.jsonl", "line": 6, "reason": "missing field 'text'"},
+    {"source": "part-1.jsonl", "line": 9, "reason": "empty text"},
+]
+
+
+@pytest.fixture(scope="module")
+def store(s3):
+    return Store()
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return build_corpus(max_docs=60)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(store):
+    from transformers import AutoTokenizer
+
+    save_tiny_base(store, BASE_URI, texts=build_corpus(max_docs=200), hidden_size=16, intermediate_size=32)
+    return AutoTokenizer.from_pretrained(str(store.cache_locally(BASE_URI)))
+
+
+def make_config(data_uri: str, input_uri: str, **prepare) -> JobConfig:
+    return build_config({
+        "name": "t", "model": {"uri": BASE_URI},
+        "data": {"uri": data_uri, "seq_len": SEQ_LEN, "validation_fraction": 0.2},
+        "prepare": {"input_uri": input_uri, "rows_per_shard": 32, "num_tokenizer_actors": 1,
+                    "tokenize_batch_size": 16, **prepare},
+        "storage": {"root_uri": "s3://eft/runs"}, "training": {"max_steps": 1},
+    })
+
+
+def write_jsonl_with_bad_lines(store: Store, uri: str, docs: list[str]) -> None:
+    lines = [json.dumps({"text": d}) for d in docs]
+    # A blank line (line 5) is not a record, but it still counts for line numbers.
+    for number, raw in sorted([*BAD_LINES, (5, "")]):
+        lines.insert(number - 1, raw)
+    store.write_text(uri, "\n".join(lines) + "\n")
+
+
+def read_shards(store: Store, data_uri: str, manifest: dict, split: str) -> list[pa.Table]:
+    tables = []
+    for uri in shard_uris(data_uri, manifest, split):
+        fs, path = store.resolve(uri)
+        tables.append(pq.read_table(path, filesystem=fs))
+    return tables
+
+
+def read_split(store: Store, data_uri: str, manifest: dict, split: str) -> pa.Table:
+    return pa.concat_tables(read_shards(store, data_uri, manifest, split))
+
+
+def split_stream(table: pa.Table, tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A split's rows back to back → (ids, labels) up to `tokens`, then (ids, labels) of the padding."""
+    ids = np.asarray(table["input_ids"].to_pylist(), dtype=np.int64).ravel()
+    labels = np.asarray(table["labels"].to_pylist(), dtype=np.int64).ravel()
+    return ids[:tokens], labels[:tokens], ids[tokens:], labels[tokens:]
+
+
+def decode_documents(tokenizer, ids: np.ndarray) -> list[str]:
+    """Cut a packed stream at eos and decode each document (dropping its bos)."""
+    docs, start = [], 0
+    for end in np.flatnonzero(ids == tokenizer.eos_token_id):
+        body = ids[start:end]
+        assert body[0] == tokenizer.bos_token_id
+        docs.append(tokenizer.decode(body[1:].tolist()))
+        start = end + 1
+    assert start == len(ids), "stream must end with an eos"
+    return docs
+
+
+def assert_subsequence(part: list[str], whole: list[str]) -> None:
+    it = iter(whole)
+    assert all(any(doc == w for w in it) for doc in part), "documents out of order"
+
+
+@pytest.fixture(scope="module")
+def text_docs(corpus):
+    return {"part-0.jsonl": corpus[:25], "part-1.jsonl": corpus[25:45]}
+
+
+@pytest.fixture(scope="module")
+def prepared(store, tokenizer, text_docs, ray_cluster):
+    """One text run over two JSONL files (plus a file that is not input); its shard tables are
+    read right away so later tests can compare after an overwrite deletes them."""
+    data_uri = "s3://eft/data/text"
+    write_jsonl_with_bad_lines(store, "s3://eft/raw/text/part-1.jsonl", text_docs["part-1.jsonl"])
+    store.write_text("s3://eft/raw/text/part-0.jsonl", "".join(json.dumps({"text": d}) + "\n"
+                                                              for d in text_docs["part-0.jsonl"]))
+    store.write_text("s3://eft/raw/text/notes.txt", "not an input file\n")
+    cfg = make_config(data_uri, "s3://eft/raw/text/")
+    manifest = prepare_dataset(cfg, store)
+    shards = {split: read_shards(store, data_uri, manifest, split) for split in ("train", "validation")}
+    return cfg, manifest, shards
+
+
+def test_manifest_describes_the_dataset(store, tokenizer, prepared, text_docs):
+    cfg, manifest, _ = prepared
+    assert load_manifest(store, cfg.data.uri) == manifest
+    assert manifest["format_version"] == 1 and manifest["seq_len"] == SEQ_LEN
+    tok = manifest["tokenizer"]
+    assert tok["uri"] == BASE_URI and len(tok["fingerprint"]) == 64
+    assert (tok["eos_token_id"], tok["pad_token_id"], tok["bos_token_id"]) == (
+        tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id)
+    assert tok["vocab_size"] == len(tokenizer)
+    assert manifest["source"] == {"input_uri": "s3://eft/raw/text/", "input_format": "jsonl", "format": "text",
+                                  "files": ["part-0.jsonl", "part-1.jsonl"]}
+    n_docs = sum(len(d) for d in text_docs.values())
+    records = manifest["records"]
+    assert (records["read"], records["used"], records["skipped"]) == (n_docs + 3, n_docs, 3)
+    assert records["skipped_by_reason"] == {"bad JSON": 1, "missing field 'text'": 1, "empty text": 1}
+    assert records["skipped_examples"] == EXPECTED_SKIPS
+    assert manifest["stats"]["wall_s"] > 0 and manifest["stats"]["tokens_per_s"] > 0
+
+
+def test_shards_have_contiguous_row_ids_and_the_declared_schema(prepared):
+    cfg, manifest, shards = prepared
+    for split in ("train", "validation"):
+        info = manifest["splits"][split]
+        assert info["rows"] > 0
+        start = 0
+        for shard, table in zip(info["shards"], shards[split], strict=True):
+            assert shard["path"].startswith("shards-") and shard["path"].endswith(".parquet")
+            assert table.schema.equals(SHARD_SCHEMA)
+            assert shard["row_id_start"] == start and shard["rows"] == table.num_rows <= 32
+            assert table["row_id"].to_pylist() == list(range(start, start + table.num_rows))
+            assert all(len(r) == SEQ_LEN for r in table["input_ids"].to_pylist())
+            start += table.num_rows
+        assert start == info["rows"]
+    assert len(manifest["splits"]["train"]["shards"]) > 1
+
+
+def test_rows_decode_back_to_the_corpus(tokenizer, prepared, text_docs):
+    _, manifest, shards = prepared
+    corpus = text_docs["part-0.jsonl"] + text_docs["part-1.jsonl"]
+    decoded = {}
+    for split in ("train", "validation"):
+        info = manifest["splits"][split]
+        ids, labels, pad_ids, pad_labels = split_stream(pa.concat_tables(shards[split]), info["tokens"])
+        assert (ids == labels).all() and info["label_tokens"] == info["tokens"]
+        assert (pad_ids == tokenizer.pad_token_id).all() and (pad_labels == IGNORE_INDEX).all()
+        assert len(pad_ids) < SEQ_LEN
+        decoded[split] = decode_documents(tokenizer, ids)
+        assert_subsequence(decoded[split], corpus)
+    assert decoded["validation"], "a 0.2 validation fraction of 45 documents should hold some"
+    assert Counter(decoded["train"] + decoded["validation"]) == Counter(corpus)
+    expected_tokens = sum(len(tokenizer(d, add_special_tokens=False)["input_ids"]) + 2 for d in corpus)
+    assert manifest["splits"]["train"]["tokens"] + manifest["splits"]["validation"]["tokens"] == expected_tokens
+
+
+def test_rerun_without_overwrite_fails(prepared):
+    cfg, _, _ = prepared
+    with pytest.raises(PrepareError, match=r"already prepared at s3://eft/data/text \(set prepare.overwrite=true\)"):
+        prepare_dataset(cfg)
+
+
+def test_overwrite_is_deterministic_and_removes_old_shards(store, prepared):
+    cfg, first, first_shards = prepared
+    store.write_text(f"{cfg.data.uri}/shards-crashed/train-00000.parquet", "left by a crashed run")
+    overwrite = cfg.model_copy(update={"prepare": cfg.prepare.model_copy(update={"overwrite": True})})
+    second = prepare_dataset(overwrite, store)
+    assert load_manifest(store, cfg.data.uri) == second
+    for split in ("train", "validation"):
+        old, new = first["splits"][split], second["splits"][split]
+        assert [s["path"] for s in old["shards"]] != [s["path"] for s in new["shards"]]
+        assert [(s["rows"], s["row_id_start"]) for s in old["shards"]] == [
+            (s["rows"], s["row_id_start"]) for s in new["shards"]]
+        for old_table, new_table in zip(first_shards[split], read_shards(store, cfg.data.uri, second, split),
+                                        strict=True):
+            assert new_table.equals(old_table)
+    new_dir = second["splits"]["train"]["shards"][0]["path"].split("/")[0]
+    assert [d for d in store.list_dirs(cfg.data.uri) if d.startswith("shards-")] == [new_dir]
+
+
+def test_too_many_bad_records_fail_naming_the_first_and_commit_nothing(store, tokenizer, text_docs, ray_cluster):
+    data_uri = "s3://eft/data/too-bad"
+    write_jsonl_with_bad_lines(store, "s3://eft/raw/too-bad/part-1.jsonl", text_docs["part-1.jsonl"][:6])
+    cfg = make_config(data_uri, "s3://eft/raw/too-bad/part-1.jsonl", max_bad_records=2)
+    with pytest.raises(PrepareError, match=r"max_bad_records=2 .*first: part-1.jsonl:3 bad JSON; "
+                                           r"part-1.jsonl:6 missing field 'text'"):
+        prepare_dataset(cfg, store)
+    assert not store.exists(f"{data_uri}/manifest.json")
+    assert store.list_files(data_uri) == []
+    with pytest.raises(DatasetError, match=r"no committed dataset at s3://eft/data/too-bad: manifest.json missing"):
+        load_manifest(store, data_uri)
+
+
+def test_missing_input_fails_naming_the_uri(store, tokenizer):
+    cfg = make_config("s3://eft/data/none", "s3://eft/raw/does-not-exist/")
+    with pytest.raises(PrepareError, match=r"no jsonl input files .* at s3://eft/raw/does-not-exist/"):
+        prepare_dataset(cfg, store)
+
+
+def test_parquet_instruction_input_masks_prompts(store, tokenizer, corpus, ray_cluster):
+    """Parquet input and the instruction format in one run (each Ray run costs seconds here)."""
+    pairs = [(d[:60], d[60:].strip()) for d in corpus[45:57]]
+    table = pa.table({"question": [p for p, _ in pairs], "answer": [r for _, r in pairs]})
+    orphan = pa.table({"question": ["orphan"], "answer": pa.array([None], pa.string())})
+    table = pa.concat_tables([table.slice(0, 4), orphan, table.slice(4)])  # row 5 has a null answer
+    fs, path = store.resolve("s3://eft/raw/pq/data.parquet")
+    with fs.open_output_stream(path) as out:
+        pq.write_table(table, out, row_group_size=5)
+    cfg = make_config("s3://eft/data/pq", "s3://eft/raw/pq", input_format="parquet", format="instruction",
+                      prompt_field="question", response_field="answer")
+    cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"validation_fraction": 0.0})})
+    manifest = prepare_dataset(cfg, store)
+    assert manifest["source"]["files"] == ["data.parquet"]
+    assert manifest["records"]["skipped_examples"] == [{"source": "data.parquet", "line": 5,
+                                                       "reason": "missing field 'answer'"}]
+    assert manifest["splits"]["validation"] == {"rows": 0, "tokens": 0, "label_tokens": 0, "shards": []}
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    expected_ids, expected_labels = [], []
+    for prompt, response in pairs:
+        p, r = encode(prompt), encode(response)
+        expected_ids += [tokenizer.bos_token_id, *p, *r, tokenizer.eos_token_id]
+        expected_labels += [IGNORE_INDEX] * (1 + len(p)) + [*r, tokenizer.eos_token_id]
+    train = manifest["splits"]["train"]
+    ids, labels, _, _ = split_stream(read_split(store, cfg.data.uri, manifest, "train"), train["tokens"])
+    assert ids.tolist() == expected_ids
+    assert labels.tolist() == expected_labels
+    assert train["label_tokens"] == sum(1 for x in expected_labels if x != IGNORE_INDEX) < train["tokens"]
