@@ -72,8 +72,9 @@ class RestoredState:
 def _state_dict_options(lora: bool):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    # For LoRA only the adapters are trainable: the frozen base is never written.
-    return StateDictOptions(ignore_frozen_params=lora)
+    # For LoRA only the adapters are trainable: the frozen base is never written, and loading
+    # leaves it alone (non-strict). Missing adapter keys still fail, inside dcp.load.
+    return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
 
 
 def build_app_state(model, optimizer, lora: bool) -> dict:

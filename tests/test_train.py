@@ -1,0 +1,192 @@
+"""Training end to end on real Ray Train (2 CPU workers, gloo), a real S3 endpoint and a tiny
+Llama: loss falls, checkpoints hold adapters only, resume is exact, world size may change."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from app.config import build_config
+from app.data.prepare import load_manifest, prepare_dataset
+from app.data.stream import DataOrder
+from app.storage import Store, join
+from app.tiny import build_corpus, save_tiny_base, write_jsonl
+from app.train.checkpoint import list_checkpoints, load_events
+from app.train.launch import run_training
+from app.train.metrics import load_metrics
+
+BASE = "s3://eft/models/tiny-train"
+DATA = "s3://eft/data/train-tests"
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_cfg(name: str, **sections):
+    tree = {
+        "name": name,
+        "model": {"uri": BASE},
+        "lora": {"r": 8, "alpha": 16, "target_modules": ALL_LINEAR},
+        "data": {"uri": DATA, "seq_len": 64, "validation_fraction": 0.05},
+        "prepare": {"input_uri": "s3://eft/raw/train-tests.jsonl"},
+        # A constant LR: a run extended from 6 to 12 steps must follow the 12-step run exactly.
+        "training": {"max_steps": 12, "global_batch_size": 8, "micro_batch_size": 2, "lr": 1e-2,
+                     "schedule": "constant", "eval_every_steps": 6, "trace_rows": True},
+        "checkpoint": {"save_every_steps": 6, "num_to_keep": 2},
+        "scaling": {"min_workers": 2, "max_workers": 2, "cpus_per_worker": 1},
+        "storage": {"root_uri": "s3://eft/runs-tests"},
+    }
+    for key, value in sections.items():
+        if value is None:
+            tree[key] = None
+        else:
+            tree[key] = {**(tree.get(key) or {}), **value}
+    return build_config(tree)
+
+
+@pytest.fixture(scope="module")
+def dataset(s3, ray_cluster, tmp_path_factory):
+    store = Store()
+    texts = build_corpus(max_docs=300)
+    save_tiny_base(store, BASE, texts=texts)
+    raw = write_jsonl(({"text": t} for t in texts), tmp_path_factory.mktemp("raw") / "c.jsonl")
+    store.write_bytes("s3://eft/raw/train-tests.jsonl", raw.read_bytes())
+    cfg = make_cfg("prep")
+    prepare_dataset(cfg, store)
+    return load_manifest(store, DATA)
+
+
+@pytest.fixture(scope="module")
+def straight_run(dataset):
+    """The reference: 12 steps on 2 workers, uninterrupted."""
+    cfg = make_cfg("straight")
+    summary = run_training(cfg)
+    return cfg, summary, load_metrics(Store(), cfg.run_uri)
+
+
+def step_rows(metrics: list[dict]) -> dict[int, list[int]]:
+    return {m["step"]: m["row_ids"] for m in metrics}
+
+
+def test_lora_fsdp_run_learns_and_records_itself(straight_run, dataset):
+    cfg, summary, metrics = straight_run
+    store = Store()
+    assert summary["status"] == "succeeded" and summary["steps"] == 12
+    assert summary["final_train_loss"] < summary["first_train_loss"] - 0.3
+    assert summary["final_val_loss"] is not None and summary["final_val_loss"] < summary["first_val_loss"]
+    assert [m["step"] for m in metrics] == list(range(1, 13))
+    # The rows of each step are exactly the deterministic order's: G consecutive positions.
+    order = DataOrder.from_manifest(dataset, seed=0)
+    for m in metrics:
+        expected = order.row_ids_at((m["step"] - 1) * 8, m["step"] * 8).tolist()
+        assert m["row_ids"] == expected
+    # num_to_keep=2 keeps the last two; the run summary names them.
+    ckpts = list_checkpoints(store, cfg.run_uri)
+    assert [c.rsplit("-", 1)[1] for c in ckpts] == ["00000006", "00000012"]
+    assert summary["latest_checkpoint"] == ckpts[-1]
+
+
+def test_lora_checkpoint_holds_adapters_not_the_base(straight_run):
+    cfg, summary, _ = straight_run
+    store = Store()
+    meta = pickle.loads(store.read_bytes(join(summary["latest_checkpoint"], ".metadata")))
+    model_keys = [k for k in meta.state_dict_metadata if k.startswith("model.")]
+    assert model_keys and all("lora_" in k for k in model_keys)
+    state = store.read_json(join(summary["latest_checkpoint"], "train_state.json"))
+    assert state["step"] == 12 and state["rows_consumed"] == 96
+
+
+def test_run_stores_resolved_config_and_no_credentials(straight_run):
+    cfg, _, _ = straight_run
+    store = Store()
+    assert "trace_rows: true" in store.read_text(join(cfg.run_uri, "config.yaml"))
+    for rel in store.list_files(cfg.run_uri):
+        if rel.endswith((".json", ".yaml", ".jsonl")):
+            text = store.read_text(join(cfg.run_uri, rel))
+            assert "AWS_SECRET_ACCESS_KEY" not in text and "aws_secret" not in text.lower(), rel
+
+
+def test_resume_continues_exactly_where_it_stopped(straight_run):
+    """6 steps, relaunch with the same name, 6 more == 12 straight: same rows, same losses."""
+    _, _, reference = straight_run
+    first = run_training(make_cfg("resumed", training={"max_steps": 6}))
+    assert first["steps"] == 6
+    summary = run_training(make_cfg("resumed"))
+    metrics = load_metrics(Store(), make_cfg("resumed").run_uri)
+    assert summary["steps"] == 12 and [m["step"] for m in metrics] == list(range(1, 13))
+    assert step_rows(metrics) == step_rows(reference)
+    for got, want in zip(metrics, reference):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-9, abs=1e-9), got["step"]
+    assert summary["resumed_from_steps"] == [6] and summary["driver_restarts"] == 1
+
+
+def test_resume_on_a_different_worker_count(straight_run):
+    """Checkpoint at 2 workers, resume at 1: DCP reshards, the global batch and the rows per step
+    stay the same, and the run ends at the configured step."""
+    _, _, reference = straight_run
+    run_training(make_cfg("reshard", training={"max_steps": 6}))
+    one = {"min_workers": 1, "max_workers": 1}
+    summary = run_training(make_cfg("reshard", scaling=one))
+    metrics = load_metrics(Store(), make_cfg("reshard").run_uri)
+    assert summary["steps"] == 12 and summary["world_sizes"] == [2, 1]
+    assert step_rows(metrics) == step_rows(reference)
+    for got, want in zip(metrics, reference):  # only the reduction order differs
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-4), got["step"]
+    assert metrics[-1]["world_size"] == 1
+
+
+def test_ddp_follows_the_same_trajectory_as_fsdp(straight_run):
+    _, _, reference = straight_run
+    summary = run_training(make_cfg("ddp", training={"parallelism": "ddp", "max_steps": 3}))
+    metrics = load_metrics(Store(), make_cfg("ddp").run_uri)
+    assert summary["status"] == "succeeded"
+    for got, want in zip(metrics, reference[:3]):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)
+
+
+def test_full_finetune_checkpoints_every_weight(dataset):
+    cfg = make_cfg("full", lora=None, training={"max_steps": 6, "lr": 5e-3, "eval_every_steps": 3},
+                   checkpoint={"save_every_steps": 6})
+    summary = run_training(cfg)
+    assert summary["final_val_loss"] < summary["first_val_loss"]
+    meta = pickle.loads(Store().read_bytes(join(summary["latest_checkpoint"], ".metadata")))
+    keys = [k for k in meta.state_dict_metadata if k.startswith("model.")]
+    assert "model.lm_head.weight" in keys and not any("lora_" in k for k in keys)
+
+
+def test_train_rejects_bad_inputs_before_ray_work(dataset):
+    from app.data.prepare import DatasetError
+    from app.train.model import ModelError
+
+    with pytest.raises(DatasetError, match="s3://eft/data/nothing-here"):
+        run_training(make_cfg("bad-data", data={"uri": "s3://eft/data/nothing-here"}))
+    with pytest.raises(ModelError, match="s3://eft/raw"):
+        run_training(make_cfg("bad-model", model={"uri": "s3://eft/raw"}))
+    with pytest.raises(ValueError, match="data.seq_len 32"):
+        run_training(make_cfg("bad-seq", data={"seq_len": 32}))
+    from app.storage import StorageError
+
+    with pytest.raises(StorageError, match="bucket s3://no-such-bucket"):
+        run_training(make_cfg("bad-bucket", storage={"root_uri": "s3://no-such-bucket/runs"}))
+
+
+def test_cli_errors_are_one_line_and_non_zero(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nmodel: {uri: /m}\ndata: {uri: /d}\nstorage: {root_uri: /r}\n"
+                   "training: {max_steps: 1, lr_typo: 3}\n")
+    out = subprocess.run([sys.executable, "-m", "app.cli", "train", str(bad)], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [f"eft: error: {bad}: training.lr_typo: unknown key"]
+    assert "Traceback" not in out.stderr
+
+
+def test_events_record_each_worker_group(straight_run):
+    cfg, _, _ = straight_run
+    events = load_events(Store(), cfg.run_uri)
+    kinds = [e["kind"] for e in events]
+    assert kinds == ["driver_start", "worker_group_start"]
+    assert json.dumps(events)  # serializable, machine-readable
