@@ -36,9 +36,18 @@ def cmd_local(args) -> int:
     state_dir = Path(args.state_dir)
     if args.action == "up":
         state = local.up(state_dir, num_cpus=args.num_cpus)
+        env = local.local_env(state)
+        if not args.no_seed:
+            from app.config import load_config
+            from app.demo import DEFAULT_CONFIG, ensure_inputs
+            from app.storage import Store
+
+            os.environ.update(env)
+            cfg = load_config(DEFAULT_CONFIG)
+            ensure_inputs(cfg, Store.from_config(cfg.storage))
         print(f"# local stack up: S3 {state['s3_endpoint']} (bucket {state['bucket']}), Ray {state['ray_address']}")
         print("# use it in this shell with:  eval \"$(eft local env)\"")
-        for key, value in local.local_env(state).items():
+        for key, value in env.items():
             print(f"export {key}={value}")
     elif args.action == "env":
         state = local.read_state(state_dir)
@@ -113,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=["up", "down", "status", "env"])
     p.add_argument("--state-dir", default=".eft", help="where the stack records its PIDs (default .eft)")
     p.add_argument("--num-cpus", type=int, default=None, help="logical CPUs for the Ray head")
+    p.add_argument("--no-seed", action="store_true",
+                   help="do not seed the tiny demo model and corpus into the local bucket")
     p.set_defaults(fn=cmd_local)
     with_config(sub.add_parser("prepare", help="raw JSONL/Parquet → packed shards + manifest")).set_defaults(
         fn=cmd_prepare)

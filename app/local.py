@@ -110,8 +110,10 @@ def state_file(state_dir: Path) -> Path:
 
 
 def local_env(state: dict) -> dict[str, str]:
-    """The environment a shell needs to use the local stack."""
-    return {**LOCAL_S3_ENV, "AWS_ENDPOINT_URL": state["s3_endpoint"], "RAY_ADDRESS": state["ray_address"]}
+    """The environment a shell needs to use the local stack. `ray start` turns token auth on
+    (the token stays in ~/.ray/auth_token); a client joining by address must be told to use it."""
+    return {**LOCAL_S3_ENV, "AWS_ENDPOINT_URL": state["s3_endpoint"], "RAY_ADDRESS": state["ray_address"],
+            "RAY_AUTH_MODE": "token"}
 
 
 def read_state(state_dir: Path) -> Optional[dict]:

@@ -72,7 +72,7 @@ def render_summary(summary: dict) -> None:
         ("tokens", f"{summary['tokens']:,}"),
         ("train loss", f"{fmt(summary['first_train_loss'])} → {fmt(summary['final_train_loss'])}"),
         ("val loss", f"{fmt(summary['first_val_loss'])} → {fmt(summary['final_val_loss'])}"),
-        ("tokens/s", fmt(summary["tokens_per_s"])),
+        ("tokens/s", f"{summary['tokens_per_s']:,.0f}" if summary["tokens_per_s"] else "-"),
         ("restarts", f"{summary['restarts']} (driver {summary['driver_restarts']})"),
         ("world sizes", ", ".join(map(str, summary["world_sizes"]))),
         ("latest checkpoint", str(summary["latest_checkpoint"])),
