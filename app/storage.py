@@ -200,7 +200,13 @@ class Store:
             return Path(path)
         root = Path(cache_root or Path(tempfile.gettempdir()) / "eft-cache")
         root.mkdir(parents=True, exist_ok=True)
-        key = hashlib.sha256(f"{s3_endpoint(self.endpoint)}|{uri}".encode()).hexdigest()[:24]
+        # Keyed on the listing too (names, sizes, mtimes): new weights at the same URI are fetched anew.
+        fs, path = self.resolve(uri)
+        infos = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
+        listing = sorted((i.path, i.size, i.mtime_ns) for i in infos if i.type == pafs.FileType.File)
+        if not listing:
+            raise StorageError(f"{uri}: not found")
+        key = hashlib.sha256(f"{s3_endpoint(self.endpoint)}|{uri}|{listing}".encode()).hexdigest()[:24]
         final = root / key
         with open(root / f"{key}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)

@@ -9,9 +9,9 @@ gradient of step k is the same function of the same rows at every world size.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-import time
 from typing import Optional
 
 import numpy as np
@@ -79,8 +79,6 @@ def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
 
 def grad_sync_context(model, enabled: bool):
     """Skip the gradient all-reduce on all but the last micro-batch of a step."""
-    import contextlib
-
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
         model.set_requires_gradient_sync(enabled)
         return contextlib.nullcontext()
@@ -167,14 +165,15 @@ def train_loop_per_worker(config: dict) -> None:
         ckpt.record_event(store, cfg.run_uri, "worker_group_start", world_size=world,
                           resumed_from_step=step if state.restored else None)
 
-    rows = iter_rank_rows(order, train_shards, data_fs, RankSlice(rank, world, t.global_batch_size, origin=rows_consumed),
-                          start=rows_consumed)
+    my_slice = RankSlice(rank, world, t.global_batch_size, origin=rows_consumed)
+    rows = iter_rank_rows(order, train_shards, data_fs, my_slice, start=rows_consumed)
     batches = iter_micro_batches(rows, t.micro_batch_size)
     timer = StepTimer(steps_total, start_step=step)
     tokens_per_step = t.global_batch_size * cfg.data.seq_len
+    # Summed loss and label tokens since the last logging step, kept on device: no host sync.
     loss_acc = torch.zeros((), dtype=torch.float64, device=device)
+    tokens_acc = torch.zeros((), dtype=torch.float64, device=device)
     nonfinite = torch.zeros((), dtype=torch.bool, device=device)
-    last_saved = step if state.restored else None
 
     # --- loop --------------------------------------------------------------------
     model.train()
@@ -190,6 +189,7 @@ def train_loop_per_worker(config: dict) -> None:
         timer.end_data()
         global_tokens = all_reduce_sum(torch.tensor(float(sum(label_tokens(m[2]) for m in micro)),
                                                     dtype=torch.float64, device=device))
+        tokens_acc += global_tokens
         scale = world / global_tokens.clamp(min=1)
         for i, (_, inputs, labels) in enumerate(micro):
             x = torch.as_tensor(inputs, dtype=torch.long, device=device)
@@ -208,7 +208,7 @@ def train_loop_per_worker(config: dict) -> None:
         is_eval = bool(t.eval_every_steps) and (step % t.eval_every_steps == 0 or step == steps_total)
         if is_eval or step % t.log_every_steps == 0 or step == steps_total:
             # Logging steps are the only host syncs in the loop.
-            train_loss = float(all_reduce_sum(loss_acc.clone()) / global_tokens)
+            train_loss = float(all_reduce_sum(loss_acc.clone()) / tokens_acc.clamp(min=1))
             if bool(nonfinite) or not math.isfinite(train_loss):
                 raise FloatingPointError(f"non-finite loss {train_loss} at step {step}; stopping")
             record = {"step": step, "loss": train_loss, "lr": lr, "grad_norm": to_scalar(grad_norm),
@@ -217,6 +217,7 @@ def train_loop_per_worker(config: dict) -> None:
             if t.trace_rows:
                 record["row_ids"] = gather_row_ids(micro, world, device)
             loss_acc.zero_()
+            tokens_acc.zero_()
             if is_eval:
                 val_loss = evaluate(model, val, rank, world, t.micro_batch_size, device, autocast_dtype)
                 if val_loss is not None:
@@ -231,12 +232,9 @@ def train_loop_per_worker(config: dict) -> None:
             ckpt.save(cfg, store, model, optimizer, step=step, rows_consumed=rows_consumed, world_size=world,
                       metrics=metrics.latest(), rank=rank)
             metrics.flush()
-            last_saved = step
 
     # --- report ------------------------------------------------------------------
-    if last_saved != step:  # resumed at the final step: nothing new, but report once
-        ray.train.report(metrics.latest() or {"step": step})
-    metrics.flush()
+    # The final step always saves (above), which reports its metrics and checkpoint to Ray.
     if rank == 0:
         log.info("done: %d steps, %d rows consumed", step, rows_consumed)
 
