@@ -72,3 +72,21 @@ def test_demo_core_runs_end_to_end(s3, ray_cluster, capsys):
     assert any(f.endswith("adapter/adapter_model.safetensors") for f in files)
     assert any(f.endswith("merged/model.safetensors") for f in files)
     assert store.read_json("s3://eft/runs/tiny-cpu/summary.json")["steps"] == 12
+
+
+def test_cli_config_prepare_and_export_on_the_demo_config(s3, ray_cluster):
+    """The README's commands through the real console entry point (after the demo test ran,
+    the corpus, base model and a finished tiny-cpu run are in the bucket)."""
+    env = dict(os.environ)
+    cfg_path = "jobs/configs/tiny-cpu.yaml"
+    shown = eft("config", cfg_path, "--set", "training.max_steps=7", env=env)
+    assert shown.returncode == 0 and "max_steps: 7" in shown.stdout and "secret" not in shown.stdout.lower()
+    prepared = eft("prepare", cfg_path, "--set", "data.uri=s3://eft/data/cli-prepared", env=env)
+    assert prepared.returncode == 0, prepared.stderr[-2000:]
+    assert "train rows" in prepared.stdout
+    again = eft("prepare", cfg_path, "--set", "data.uri=s3://eft/data/cli-prepared", env=env)
+    assert again.returncode == 1
+    assert again.stderr.strip().splitlines()[-1].startswith("eft: error: dataset already prepared at")
+    exported = eft("export", cfg_path, env=env)
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    assert '"adapter_uri"' in exported.stdout
