@@ -90,6 +90,9 @@ class CheckpointConfig(_Strict):
     save_every_steps: int = Field(100, gt=0)
     num_to_keep: Optional[int] = Field(3, gt=0)
     async_upload: bool = True
+    # Ask Ray Train every step whether a node of the run is being preempted (a cheap barrier);
+    # on the first notice save a just-in-time checkpoint and keep training until the node goes.
+    on_preemption: bool = True
 
 
 class ScalingConfig(_Strict):
@@ -98,10 +101,17 @@ class ScalingConfig(_Strict):
     use_gpu: bool = False
     cpus_per_worker: float = Field(1.0, gt=0)
     gpus_per_worker: float = Field(1.0, gt=0)
+    # How often a healthy elastic run checks whether more workers fit (and restarts bigger).
+    elastic_resize_monitor_interval_s: float = Field(60.0, ge=0)
+    # How long a (re)start waits for the requested workers before an elastic run settles for
+    # fewer; None keeps Ray Train's default (60 s).
+    worker_group_start_timeout_s: Optional[float] = Field(None, gt=0)
 
 
 class FaultToleranceConfig(_Strict):
     max_failures: int = Field(3, ge=-1, description="worker-group restarts on errors; -1 = unlimited")
+    # Pre-emptions are counted apart from real errors: a spot run may be reclaimed many times.
+    max_preemption_failures: int = Field(-1, ge=-1, description="restarts after node pre-emption; -1 = unlimited")
 
 
 class StorageConfig(_Strict):

@@ -7,7 +7,7 @@ from typing import Optional
 
 from app.storage import Store, join
 from app.train import checkpoint as ckpt
-from app.train.metrics import load_metrics
+from app.train.metrics import load_heartbeats, load_metrics
 
 SUMMARY_FILE = "summary.json"
 
@@ -20,6 +20,54 @@ def _last(records: list[dict], key: str) -> Optional[float]:
     return next((r[key] for r in reversed(records) if key in r), None)
 
 
+def classify_interruption(between: list[dict], before: dict, after: dict) -> str:
+    if any(e["kind"] == "driver_start" for e in between):
+        return "driver_restart"
+    if any(e["kind"] == "preemption_notice" for e in between):
+        return "preemption"
+    if after["world_size"] > before["world_size"]:
+        return "resize"
+    return "worker_failure"
+
+
+def build_interruptions(events: list[dict], heartbeats: list[dict]) -> list[dict]:
+    """One record per restart of the worker group, from the events and heartbeats of the run.
+    Steps recomputed = last step reached before it − step resumed from; recovery = last
+    heartbeat before it → first step after it."""
+    starts = [e for e in events if e["kind"] == "worker_group_start"]
+    beats = {b["attempt"]: b for b in heartbeats}
+    out = []
+    for before, after in zip(starts, starts[1:]):
+        between = [e for e in events if before["time"] < e["time"] < after["time"]]
+        notices = [e for e in between if e["kind"] == "preemption_notice"]
+        prev, nxt = beats.get(before.get("id"), {}), beats.get(after.get("id"), {})
+        resumed = after.get("resumed_from_step") or 0
+        last = prev.get("last_step")
+        step_at_notice = notices[0]["step"] if notices else None
+        recovery = (nxt["first_step_at"] - prev["last_step_at"]
+                    if nxt.get("first_step_at") and prev.get("last_step_at") else None)
+        out.append({
+            "cause": classify_interruption(between, before, after),
+            "world_size_before": before["world_size"], "world_size_after": after["world_size"],
+            "step_at_notice": step_at_notice,
+            "last_step_before": last,
+            "resumed_from_step": resumed,
+            "steps_recomputed": max(last - resumed, 0) if last is not None else None,
+            # Steps done before the notice but not in the checkpoint resumed from: 0 with a JIT save.
+            "steps_lost": max(step_at_notice - resumed, 0) if step_at_notice is not None else None,
+            "recovery_s": round(recovery, 2) if recovery is not None else None,
+        })
+    return out
+
+
+def rows_per_epoch(rows_consumed: int, train_rows: int) -> list[int]:
+    """Rows consumed in each epoch so far (the data order makes each epoch's rows distinct)."""
+    if train_rows <= 0:
+        return []
+    full, rest = divmod(rows_consumed, train_rows)
+    return [train_rows] * full + ([rest] if rest else [])
+
+
 def build_summary(store: Store, cfg, status: str, wall_s: float, error: Optional[str] = None) -> dict:
     metrics = load_metrics(store, cfg.run_uri)
     events = ckpt.load_events(store, cfg.run_uri)
@@ -27,6 +75,10 @@ def build_summary(store: Store, cfg, status: str, wall_s: float, error: Optional
     drivers = [e for e in events if e["kind"] == "driver_start"]
     checkpoints = ckpt.list_checkpoints(store, cfg.run_uri)
     steps = int(_last(metrics, "step") or 0)
+    rows = int(_last(metrics, "rows_consumed") or 0)
+    from app.data.prepare import load_manifest
+
+    train_rows = load_manifest(store, cfg.data.uri)["splits"]["train"]["rows"]
     return {
         "name": cfg.name,
         "status": status,
@@ -34,7 +86,9 @@ def build_summary(store: Store, cfg, status: str, wall_s: float, error: Optional
         "steps": steps,
         "target_steps": cfg.training.max_steps,
         "tokens": steps * cfg.training.global_batch_size * cfg.data.seq_len,
-        "rows_consumed": int(_last(metrics, "rows_consumed") or 0),
+        "rows_consumed": rows,
+        "train_rows_per_epoch": train_rows,
+        "rows_consumed_per_epoch": rows_per_epoch(rows, train_rows),
         "first_train_loss": _first(metrics, "loss"),
         "final_train_loss": _last(metrics, "loss"),
         "first_val_loss": _first(metrics, "val_loss"),
@@ -43,6 +97,11 @@ def build_summary(store: Store, cfg, status: str, wall_s: float, error: Optional
         "restarts": max(len(starts) - 1, 0),
         "driver_restarts": sum(1 for d in drivers if d.get("resumed")),
         "world_sizes": [s["world_size"] for s in starts],
+        "world_size_timeline": [{"time": s["time"], "world_size": s["world_size"],
+                                 "from_step": s.get("resumed_from_step") or 0} for s in starts],
+        "interruptions": build_interruptions(events, load_heartbeats(store, cfg.run_uri)),
+        "preemption_notices": [{"step": e["step"], "deadline_ms": e.get("deadline_ms"), "nodes": e.get("nodes")}
+                               for e in events if e["kind"] == "preemption_notice"],
         "resumed_from_steps": [s["resumed_from_step"] for s in starts if s.get("resumed_from_step") is not None],
         "checkpoints": checkpoints,
         "latest_checkpoint": checkpoints[-1] if checkpoints else None,
@@ -78,6 +137,10 @@ def render_summary(summary: dict) -> None:
         ("latest checkpoint", str(summary["latest_checkpoint"])),
         ("wall time", f"{summary['wall_s']:.1f}s"),
     ]
+    for i, item in enumerate(summary.get("interruptions", []), 1):
+        rows.append((f"interruption {i}", f"{item['cause']}: world {item['world_size_before']}→"
+                     f"{item['world_size_after']}, resumed at step {item['resumed_from_step']}, "
+                     f"recomputed {item['steps_recomputed']}, recovery {item['recovery_s']}s"))
     if summary.get("error"):
         rows.append(("error", summary["error"]))
     for key, value in rows:

@@ -131,11 +131,12 @@ def restore(checkpoint, model, optimizer, lora: bool) -> RestoredState:
     return RestoredState(int(train_state["step"]), int(train_state["rows_consumed"]), True)
 
 
-def record_event(store: Store, run_uri: str, kind: str, **fields) -> None:
-    """One object per event (S3 has no append): `<run>/events/<time>-<id>.json`."""
+def record_event(store: Store, run_uri: str, kind: str, **fields) -> str:
+    """One object per event (S3 has no append): `<run>/events/<time>-<id>.json`. Returns the id."""
     now = time.time()
-    name = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime(now))}-{uuid.uuid4().hex[:8]}.json"
-    store.write_json(join(run_uri, "events", name), {"kind": kind, "time": now, **fields})
+    event_id = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime(now))}-{uuid.uuid4().hex[:8]}"
+    store.write_json(join(run_uri, "events", f"{event_id}.json"), {"kind": kind, "time": now, "id": event_id, **fields})
+    return event_id
 
 
 def load_events(store: Store, run_uri: str) -> list[dict]:

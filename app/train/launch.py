@@ -58,6 +58,9 @@ def build_trainer(cfg: JobConfig, store: Store):
     from app.train.loop import train_loop_per_worker
 
     s = cfg.scaling
+    if s.worker_group_start_timeout_s is not None:
+        # Ray Train's own knob, read by its controller (which inherits the driver's environment).
+        os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(s.worker_group_start_timeout_s)
     resources = {"CPU": s.cpus_per_worker, **({"GPU": s.gpus_per_worker} if s.use_gpu else {})}
     num_workers = s.min_workers if s.min_workers == s.max_workers else (s.min_workers, s.max_workers)
     fs, root = store.resolve(cfg.storage.root_uri)
@@ -65,11 +68,13 @@ def build_trainer(cfg: JobConfig, store: Store):
         train_loop_per_worker,
         train_loop_config={"cfg": cfg.model_dump(mode="json")},
         torch_config=TorchConfig(backend="nccl" if s.use_gpu else "gloo"),
-        scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=s.use_gpu, resources_per_worker=resources),
+        scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=s.use_gpu, resources_per_worker=resources,
+                                     elastic_resize_monitor_interval_s=s.elastic_resize_monitor_interval_s),
         run_config=RunConfig(
             name=cfg.name, storage_path=root, storage_filesystem=fs,
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.num_to_keep),
-            failure_config=FailureConfig(max_failures=cfg.fault_tolerance.max_failures),
+            failure_config=FailureConfig(max_failures=cfg.fault_tolerance.max_failures,
+                                         max_preemption_failures=cfg.fault_tolerance.max_preemption_failures),
         ),
     )
 

@@ -24,7 +24,7 @@ from app.data.prepare import load_manifest, shard_uris
 from app.data.stream import DataOrder, RankSlice, iter_micro_batches, iter_rank_rows, load_split_rows
 from app.storage import Store
 from app.train import checkpoint as ckpt
-from app.train.metrics import MetricsLog, StepTimer, format_progress
+from app.train.metrics import Heartbeat, MetricsLog, StepTimer, format_progress
 from app.train.model import build_model, count_parameters, resolve_precision, trainable_parameters
 
 log = logging.getLogger("eft.train")
@@ -158,12 +158,16 @@ def train_loop_per_worker(config: dict) -> None:
     step, rows_consumed = state.step, state.rows_consumed
     metrics = MetricsLog(store, cfg.run_uri, enabled=rank == 0)
     metrics.load(up_to_step=step)
+    attempt = None
     if rank == 0:
         log.info("world %d x accum %d x micro %d = global batch %d | params %.2fM trainable of %.2fM | "
                  "%s from step %d of %d", world, accum, t.micro_batch_size, t.global_batch_size,
                  n_trainable / 1e6, n_total / 1e6, "resuming" if step else "starting", step, steps_total)
-        ckpt.record_event(store, cfg.run_uri, "worker_group_start", world_size=world,
-                          resumed_from_step=step if state.restored else None)
+        attempt = ckpt.record_event(store, cfg.run_uri, "worker_group_start", world_size=world,
+                                    resumed_from_step=step if state.restored else None)
+    heartbeat = Heartbeat(store, cfg.run_uri, attempt or "", enabled=rank == 0, world_size=world,
+                          resumed_from_step=step)
+    notices_seen: set = set()
 
     my_slice = RankSlice(rank, world, t.global_batch_size, origin=rows_consumed)
     rows = iter_rank_rows(order, train_shards, data_fs, my_slice, start=rows_consumed)
@@ -227,16 +231,39 @@ def train_loop_per_worker(config: dict) -> None:
                 log.info(format_progress(record, steps_total))
         else:
             timer.skip_step()
+        heartbeat.beat(step)
 
-        if step % cfg.checkpoint.save_every_steps == 0 or step == steps_total:
+        just_in_time = cfg.checkpoint.on_preemption and check_preemption(notices_seen, store, cfg.run_uri, step, rank)
+        if just_in_time or step % cfg.checkpoint.save_every_steps == 0 or step == steps_total:
             ckpt.save(cfg, store, model, optimizer, step=step, rows_consumed=rows_consumed, world_size=world,
                       metrics=metrics.latest(), rank=rank)
             metrics.flush()
+            heartbeat.beat(step, force=True)
+            if just_in_time and rank == 0:
+                log.info("pre-emption notice: just-in-time checkpoint at step %d; training on", step)
 
     # --- report ------------------------------------------------------------------
     # The final step always saves (above), which reports its metrics and checkpoint to Ray.
     if rank == 0:
         log.info("done: %d steps, %d rows consumed", step, rows_consumed)
+
+
+def check_preemption(seen: set, store: Store, run_uri: str, step: int, rank: int) -> bool:
+    """True once per new pre-emption notice. A barrier: every rank calls it every step, and all
+    get the same answer, so all of them take the just-in-time checkpoint together."""
+    import ray.train
+
+    info = ray.train.get_preemption_info()
+    if info is None:
+        return False
+    key = tuple(info.preempted_node_ids)
+    if key in seen:
+        return False
+    seen.add(key)
+    if rank == 0:
+        ckpt.record_event(store, run_uri, "preemption_notice", step=step, deadline_ms=info.deadline_ms,
+                          nodes=list(key), ranks=info.preempted_ranks)
+    return True
 
 
 def gather_row_ids(micro, world: int, device) -> list[int]:

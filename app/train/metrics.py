@@ -96,3 +96,34 @@ def format_progress(r: dict, total: int) -> str:
     return (f"step {r['step']}/{total} loss {r['loss']:.4f}{val} lr {r['lr']:.2e} gnorm {r['grad_norm']:.3f} "
             f"tok/s {r['tokens_per_s']:,.0f} step {r['step_time_s']:.2f}s data {r['data_wait_s']:.3f}s "
             f"world {r['world_size']} eta {format_duration(r['eta_s'])}")
+
+
+class Heartbeat:
+    """Rank 0's progress marker for one worker-group attempt: `<run>/heartbeats/<attempt>.json`
+    with the first and the last step it reached and when. Interruption accounting (steps
+    recomputed, seconds to recover) is read from these. Written at most every `interval_s`."""
+
+    def __init__(self, store: Store, run_uri: str, attempt: str, enabled: bool, interval_s: float = 1.0, **fields):
+        self.store, self.enabled, self.interval_s = store, enabled, interval_s
+        self.uri = join(run_uri, "heartbeats", f"{attempt}.json")
+        self.state = {"attempt": attempt, "started_at": time.time(), "first_step": None, "first_step_at": None,
+                      "last_step": None, "last_step_at": None, **fields}
+        self._written = 0.0
+
+    def beat(self, step: int, force: bool = False) -> None:
+        if not self.enabled:
+            return
+        now = time.time()
+        if self.state["first_step"] is None:
+            self.state.update(first_step=step, first_step_at=now)
+            force = True
+        self.state.update(last_step=step, last_step_at=now)
+        if force or now - self._written >= self.interval_s:
+            self.store.write_json(self.uri, self.state)
+            self._written = now
+
+
+def load_heartbeats(store: Store, run_uri: str) -> list[dict]:
+    root = join(run_uri, "heartbeats")
+    beats = [store.read_json(join(root, f)) for f in store.list_files(root)]
+    return sorted(beats, key=lambda b: b["started_at"])
