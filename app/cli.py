@@ -106,6 +106,29 @@ def cmd_demo(args) -> int:
                     keep_stack=args.keep_stack)
 
 
+def cmd_manifests(args) -> int:
+    from app import kube
+    from app.config import ConfigError
+
+    if args.check:
+        count, violations = kube.check_path(args.check, args.crd_dir)
+        for violation in violations:
+            print(violation)
+        if violations:
+            print(f"eft: {len(violations)} violation(s) in {count} manifest(s)", file=sys.stderr)
+            return EXIT_FAILED
+        print(f"ok: {count} manifest(s) pass the KubeRay CRD schemas and the policy checks")
+        return 0
+    if not args.config:
+        raise ConfigError("manifests: give a job CONFIG to render, or --check DIR")
+    if not args.out:
+        raise ConfigError("--out: required (the directory to write the manifests to)")
+    manifests = kube.render_checked(_load(args), args.overlay, args.image, args.node_type, args.crd_dir)
+    for path in kube.write_manifests(manifests, args.out):
+        print(path)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eft", description="Ray-native elastic LLM fine-tuning")
     parser.add_argument("--traceback", action="store_true", help="show the full traceback on errors")
@@ -139,6 +162,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--keep-stack", action="store_true", help="leave the local stack running afterwards")
     p.set_defaults(fn=cmd_demo)
+    p = sub.add_parser("manifests", help="render KubeRay RayJob/RayCluster/ConfigMap, or --check manifests")
+    p.add_argument("config", nargs="?", help="job YAML to render")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
+    p.add_argument("--overlay", default=None, help="eks-spot, gke-spot, kueue or base")
+    p.add_argument("--image", default=None, help="container image with eft installed, pinned by tag")
+    p.add_argument("--node-type", default=None, help="worker node type (default: per overlay)")
+    p.add_argument("--out", default=None, help="directory to write configmap/rayjob/raycluster YAML to")
+    p.add_argument("--check", default=None, metavar="DIR", help="validate every YAML under DIR (or a file)")
+    p.add_argument("--crd-dir", default=None, help="KubeRay CRD directory (default: ../shared/kuberay/crds)")
+    p.set_defaults(fn=cmd_manifests)
     return parser
 
 

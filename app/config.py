@@ -101,6 +101,8 @@ class ScalingConfig(_Strict):
     use_gpu: bool = False
     cpus_per_worker: float = Field(1.0, gt=0)
     gpus_per_worker: float = Field(1.0, gt=0)
+    # Extra Ray resources each worker needs (e.g. a node-type label resource), beside CPU/GPU.
+    resources_per_worker: dict[str, float] = Field(default_factory=dict)
     # How often a healthy elastic run checks whether more workers fit (and restarts bigger).
     elastic_resize_monitor_interval_s: float = Field(60.0, ge=0)
     # How long a (re)start waits for the requested workers before an elastic run settles for

@@ -39,7 +39,7 @@ def ray_cluster(s3):
     Ray Data has slots beside the training workers."""
     import ray
 
-    ray.init(num_cpus=8, include_dashboard=True, log_to_driver=True,
+    ray.init(address="local", num_cpus=8, include_dashboard=True, log_to_driver=True,
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     yield ray
     ray.shutdown()

@@ -173,6 +173,37 @@ def iter_micro_batches(rows: Iterator[tuple[int, np.ndarray, np.ndarray]], micro
                np.stack([c[2] for c in chunk]))
 
 
+def prefetch_in_background(iterator: Iterator, depth: int) -> Iterator:
+    """Pull from `iterator` on a thread, `depth` items ahead, starting now. Started before the
+    model is built, the data pipeline's start-up (worker processes, first reads) overlaps it."""
+    import queue
+    import threading
+
+    items: queue.Queue = queue.Queue(maxsize=max(depth, 1))
+    done = object()
+
+    def pump() -> None:
+        try:
+            for item in iterator:
+                items.put(item)
+        except BaseException as err:  # handed to the consumer, raised there
+            items.put(err)
+        items.put(done)
+
+    threading.Thread(target=pump, name="eft-prefetch", daemon=True).start()
+
+    def drain() -> Iterator:
+        while True:
+            item = items.get()
+            if item is done:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    return drain()
+
+
 def configure_data_context() -> None:
     import ray
 

@@ -110,6 +110,19 @@ def save(cfg, store: Store, model, optimizer, *, step: int, rows_consumed: int, 
         shutil.rmtree(local, ignore_errors=True)
 
 
+def peek_train_state(checkpoint) -> dict:
+    """train_state.json of a Ray checkpoint, read without downloading the shards: the data
+    position is known (and the stream started) before the model is built."""
+    if checkpoint is None:
+        return {}
+    fs, path = checkpoint.filesystem, checkpoint.path
+    try:
+        with fs.open_input_stream(f"{path.rstrip('/')}/{TRAIN_STATE}") as f:
+            return json.loads(f.read())
+    except FileNotFoundError:
+        raise RuntimeError(f"checkpoint {path} is incomplete (no {TRAIN_STATE})") from None
+
+
 def restore(checkpoint, model, optimizer, lora: bool) -> RestoredState:
     """Load the latest committed checkpoint into this rank's shards. DCP reshards, so the
     world size may differ from the one that saved it."""

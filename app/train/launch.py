@@ -48,7 +48,8 @@ def init_ray(num_cpus: int | None = None) -> None:
         ray.init(log_to_driver=True)
     else:
         # The dashboard serves the state API that Ray Train's placement-group cleaner polls.
-        ray.init(num_cpus=num_cpus or max(8, 4 * (os.cpu_count() or 2)), include_dashboard=True)
+        # address="local": never join some other cluster that happens to run on this machine.
+        ray.init(address="local", num_cpus=num_cpus or max(8, 4 * (os.cpu_count() or 2)), include_dashboard=True)
 
 
 def build_trainer(cfg: JobConfig, store: Store):
@@ -61,7 +62,8 @@ def build_trainer(cfg: JobConfig, store: Store):
     if s.worker_group_start_timeout_s is not None:
         # Ray Train's own knob, read by its controller (which inherits the driver's environment).
         os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(s.worker_group_start_timeout_s)
-    resources = {"CPU": s.cpus_per_worker, **({"GPU": s.gpus_per_worker} if s.use_gpu else {})}
+    resources = {"CPU": s.cpus_per_worker, **({"GPU": s.gpus_per_worker} if s.use_gpu else {}),
+                 **s.resources_per_worker}
     num_workers = s.min_workers if s.min_workers == s.max_workers else (s.min_workers, s.max_workers)
     fs, root = store.resolve(cfg.storage.root_uri)
     return TorchTrainer(

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 from app.config import JobConfig
 from app.data.prepare import load_manifest, shard_uris
-from app.data.stream import DataOrder, RankSlice, iter_micro_batches, iter_rank_rows, load_split_rows
+from app.data.stream import (DataOrder, RankSlice, iter_micro_batches, iter_rank_rows, load_split_rows,
+                             prefetch_in_background)
 from app.storage import Store
 from app.train import checkpoint as ckpt
 from app.train.metrics import Heartbeat, MetricsLog, StepTimer, format_progress
@@ -141,6 +142,14 @@ def train_loop_per_worker(config: dict) -> None:
     data_fs, _ = store.resolve(cfg.data.uri)
     train_shards = [store.resolve(u)[1] for u in shard_uris(cfg.data.uri, manifest, "train")]
 
+    # The data position comes from the checkpoint's train_state.json alone, so the stream starts
+    # here and its start-up overlaps building the model and restoring the shards.
+    checkpoint = ray.train.get_checkpoint()
+    start_rows = int(ckpt.peek_train_state(checkpoint).get("rows_consumed", 0))
+    my_slice = RankSlice(rank, world, t.global_batch_size, origin=start_rows)
+    rows = iter_rank_rows(order, train_shards, data_fs, my_slice, start=start_rows)
+    batches = prefetch_in_background(iter_micro_batches(rows, t.micro_batch_size), depth=2 * accum)
+
     local_dir = store.cache_locally(cfg.model.uri)
     model = build_model(cfg, local_dir, device, rank, world)
     precision = resolve_precision(cfg, device)
@@ -154,8 +163,9 @@ def train_loop_per_worker(config: dict) -> None:
         val = load_split_rows(val_shards, data_fs, limit=t.eval_max_batches * t.global_batch_size)
 
     # --- resume ------------------------------------------------------------------
-    state = ckpt.restore(ray.train.get_checkpoint(), model, optimizer, lora=cfg.lora is not None)
+    state = ckpt.restore(checkpoint, model, optimizer, lora=cfg.lora is not None)
     step, rows_consumed = state.step, state.rows_consumed
+    assert rows_consumed == start_rows, (rows_consumed, start_rows)
     metrics = MetricsLog(store, cfg.run_uri, enabled=rank == 0)
     metrics.load(up_to_step=step)
     attempt = None
@@ -169,9 +179,6 @@ def train_loop_per_worker(config: dict) -> None:
                           resumed_from_step=step)
     notices_seen: set = set()
 
-    my_slice = RankSlice(rank, world, t.global_batch_size, origin=rows_consumed)
-    rows = iter_rank_rows(order, train_shards, data_fs, my_slice, start=rows_consumed)
-    batches = iter_micro_batches(rows, t.micro_batch_size)
     timer = StepTimer(steps_total, start_step=step)
     tokens_per_step = t.global_batch_size * cfg.data.seq_len
     # Summed loss and label tokens since the last logging step, kept on device: no host sync.

