@@ -149,7 +149,8 @@ def up(state_dir: Path, num_cpus: Optional[int] = None, s3_port: Optional[int] =
     ray_proc = subprocess.Popen(
         [str(ray_bin) if ray_bin.exists() else "ray", "start", "--head", "--block",
          f"--port={ray_port}", "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}",
-         "--include-dashboard=true", "--dashboard-host=127.0.0.1", "--disable-usage-stats",
+         "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={find_free_port()}",
+         "--disable-usage-stats",
          f"--temp-dir={Path('/tmp') / ('ray-eft-' + str(ray_port))}"],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
     )

@@ -78,5 +78,7 @@ def test_committed_trajectory_is_exactly_once_and_matches_the_uninterrupted_run(
     assert log["summary"]["rows_consumed_per_epoch"] == [n, n, 150 * 12 - 2 * n]
     for got, want in zip(metrics, reference):
         assert got["row_ids"] == want["row_ids"]
-        assert got["loss"] == pytest.approx(want["loss"], rel=1e-4), got["step"]
-    assert log["summary"]["final_train_loss"] == pytest.approx(log["reference_summary"]["final_train_loss"], rel=1e-4)
+        # Summation order differs at 2 vs 3 workers; over 150 Adam steps at lr 1e-2 that drift
+        # reaches ~1e-3 of the loss. A repeated or skipped batch moves it by ~1e-2 or more.
+        assert got["loss"] == pytest.approx(want["loss"], rel=3e-3), got["step"]
+    assert log["summary"]["final_train_loss"] == pytest.approx(log["reference_summary"]["final_train_loss"], rel=3e-3)

@@ -30,7 +30,8 @@ def main(out_path: str, base_uri: str, data_uri: str, s3_endpoint: str) -> None:
 
     os.environ.update(local.LOCAL_S3_ENV)
     os.environ["AWS_ENDPOINT_URL"] = s3_endpoint
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "include_dashboard": True})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "include_dashboard": True,
+                                                               "dashboard_port": local.find_free_port()})
     worker_args = {"num_cpus": 2, "resources": {"trainer_slot": 1}}
     nodes = [cluster.add_node(**worker_args) for _ in range(3)]
     cluster.wait_for_nodes()
