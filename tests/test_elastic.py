@@ -46,9 +46,9 @@ def test_spot_reclaim_takes_a_jit_checkpoint_and_loses_no_steps(spot_result):
     summary = log["summary"]
     assert log["drain_accepted"] and summary["status"] == "succeeded" and summary["steps"] == 150
     notice = summary["preemption_notices"][0]["step"]
-    assert any(c.endswith(f"checkpoint-{notice:08d}") for c in summary["checkpoints"]) or notice % 10 == 0 \
-        or summary["interruptions"][0]["resumed_from_step"] >= notice
+    assert 8 <= notice < 150 and notice % 10  # mid-run, and not a periodic save step
     first = summary["interruptions"][0]
+    assert first["step_at_notice"] == notice
     assert first["cause"] == "preemption" and first["steps_lost"] == 0
     assert first["resumed_from_step"] >= first["step_at_notice"]
     assert first["world_size_before"] == 3 and first["world_size_after"] == 2
