@@ -112,8 +112,11 @@ def state_file(state_dir: Path) -> Path:
 def local_env(state: dict) -> dict[str, str]:
     """The environment a shell needs to use the local stack. `ray start` turns token auth on
     (the token stays in ~/.ray/auth_token); a client joining by address must be told to use it."""
-    return {**LOCAL_S3_ENV, "AWS_ENDPOINT_URL": state["s3_endpoint"], "RAY_ADDRESS": state["ray_address"],
-            "RAY_AUTH_MODE": "token"}
+    env = {**LOCAL_S3_ENV, "AWS_ENDPOINT_URL": state["s3_endpoint"], "RAY_ADDRESS": state["ray_address"],
+           "RAY_AUTH_MODE": "token"}
+    if state.get("dashboard_url"):  # where `ray job submit` finds the head
+        env["RAY_API_SERVER_ADDRESS"] = state["dashboard_url"]
+    return env
 
 
 def read_state(state_dir: Path) -> Optional[dict]:
@@ -141,6 +144,7 @@ def up(state_dir: Path, num_cpus: Optional[int] = None, s3_port: Optional[int] =
         down(state_dir)
     s3 = start_s3_server(s3_port, bucket, log_path=state_dir / "s3.log")
     ray_port = ray_port or find_free_port()
+    dashboard_port = find_free_port()
     # Ray Data needs CPU slots beside the training workers; logical CPUs are cheap on one box.
     num_cpus = num_cpus or max(8, 4 * (os.cpu_count() or 2))
     env = {**os.environ, **LOCAL_S3_ENV, "AWS_ENDPOINT_URL": s3.endpoint, "RAY_USAGE_STATS_ENABLED": "0"}
@@ -149,7 +153,7 @@ def up(state_dir: Path, num_cpus: Optional[int] = None, s3_port: Optional[int] =
     ray_proc = subprocess.Popen(
         [str(ray_bin) if ray_bin.exists() else "ray", "start", "--head", "--block",
          f"--port={ray_port}", "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}",
-         "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={find_free_port()}",
+         "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
          "--disable-usage-stats",
          f"--temp-dir={Path('/tmp') / ('ray-eft-' + str(ray_port))}"],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
@@ -163,6 +167,7 @@ def up(state_dir: Path, num_cpus: Optional[int] = None, s3_port: Optional[int] =
     state = {
         "s3_pid": s3.proc.pid, "s3_endpoint": s3.endpoint, "bucket": bucket,
         "ray_pid": ray_proc.pid, "ray_address": f"127.0.0.1:{ray_port}", "num_cpus": num_cpus,
+        "dashboard_url": f"http://127.0.0.1:{dashboard_port}",
     }
     state_file(state_dir).write_text(json.dumps(state, indent=2))
     return state

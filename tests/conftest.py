@@ -43,3 +43,19 @@ def ray_cluster(s3):
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     yield ray
     ray.shutdown()
+
+
+def build_tiny_dataset(cfg, work_dir: Path, max_docs: int = 300) -> dict:
+    """A tiny base at cfg.model.uri, the pydoc corpus at cfg.prepare.input_uri, prepared into
+    cfg.data.uri (needs the `s3` and `ray_cluster` fixtures). Returns the manifest."""
+    from app.data.prepare import load_manifest, prepare_dataset
+    from app.storage import Store
+    from app.tiny import build_corpus, save_tiny_base, write_jsonl
+
+    store = Store()
+    texts = build_corpus(max_docs=max_docs)
+    save_tiny_base(store, cfg.model.uri, texts=texts)
+    raw = write_jsonl(({"text": t} for t in texts), Path(work_dir) / "corpus.jsonl")
+    store.write_bytes(cfg.prepare.input_uri, raw.read_bytes())
+    prepare_dataset(cfg, store)
+    return load_manifest(store, cfg.data.uri)

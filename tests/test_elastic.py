@@ -11,12 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import build_tiny_dataset
 
 from app.config import build_config
-from app.data.prepare import load_manifest, prepare_dataset
 from app.data.stream import DataOrder
 from app.storage import Store
-from app.tiny import build_corpus, save_tiny_base, write_jsonl
 from app.train.metrics import load_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,20 +24,15 @@ BASE, DATA = "s3://eft/models/tiny-spot", "s3://eft/data/spot"
 
 @pytest.fixture(scope="module")
 def spot_result(s3, ray_cluster, tmp_path_factory):
-    store = Store()
-    texts = build_corpus(max_docs=300)
-    save_tiny_base(store, BASE, texts=texts)
-    raw = write_jsonl(({"text": t} for t in texts), tmp_path_factory.mktemp("raw") / "c.jsonl")
-    store.write_bytes("s3://eft/raw/spot.jsonl", raw.read_bytes())
-    prepare_dataset(build_config({"name": "p", "model": {"uri": BASE}, "data": {"uri": DATA, "seq_len": 64},
-                                  "prepare": {"input_uri": "s3://eft/raw/spot.jsonl"},
-                                  "storage": {"root_uri": "s3://eft/runs-spot"}, "training": {"max_steps": 1}}),
-                    store)
+    manifest = build_tiny_dataset(build_config({
+        "name": "p", "model": {"uri": BASE}, "data": {"uri": DATA, "seq_len": 64},
+        "prepare": {"input_uri": "s3://eft/raw/spot.jsonl"}, "storage": {"root_uri": "s3://eft/runs-spot"},
+        "training": {"max_steps": 1}}), tmp_path_factory.mktemp("raw"))
     out = tmp_path_factory.mktemp("spot") / "result.json"
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "scenarios" / "spot.py"), str(out), BASE, DATA,
                            s3.endpoint], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text()), load_manifest(store, DATA)
+    return json.loads(out.read_text()), manifest
 
 
 def test_spot_reclaim_takes_a_jit_checkpoint_and_loses_no_steps(spot_result):
@@ -76,9 +70,11 @@ def test_committed_trajectory_is_exactly_once_and_matches_the_uninterrupted_run(
         assert len(part) == len(set(part)), f"a row repeats within epoch {epoch}"
     assert sorted(consumed[:n]) == list(range(n))
     assert log["summary"]["rows_consumed_per_epoch"] == [n, n, 150 * 12 - 2 * n]
+    drift = max(abs(g["loss"] - w["loss"]) / w["loss"] for g, w in zip(metrics, reference))
+    print(f"max relative loss drift vs the uninterrupted run: {drift:.2e}")
     for got, want in zip(metrics, reference):
         assert got["row_ids"] == want["row_ids"]
-        # Summation order differs at 2 vs 3 workers; over 150 Adam steps at lr 1e-2 that drift
-        # reaches ~1e-3 of the loss. A repeated or skipped batch moves it by ~1e-2 or more.
-        assert got["loss"] == pytest.approx(want["loss"], rel=3e-3), got["step"]
-    assert log["summary"]["final_train_loss"] == pytest.approx(log["reference_summary"]["final_train_loss"], rel=3e-3)
+        # Only the summation order differs at 2 vs 3 workers: measured drift ~1e-7 over 150 steps
+        # at lr 3e-3 (at lr 1e-2 training is chaotic enough to amplify it to ~1e-2).
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-4), got["step"]
+    assert log["summary"]["final_train_loss"] == pytest.approx(log["reference_summary"]["final_train_loss"], rel=1e-4)

@@ -10,12 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import build_tiny_dataset
 
 from app.config import build_config
-from app.data.prepare import load_manifest, prepare_dataset
 from app.data.stream import DataOrder
 from app.storage import Store, join
-from app.tiny import build_corpus, save_tiny_base, write_jsonl
 from app.train.checkpoint import list_checkpoints, load_events
 from app.train.launch import run_training
 from app.train.metrics import load_metrics
@@ -49,14 +48,7 @@ def make_cfg(name: str, **sections):
 
 @pytest.fixture(scope="module")
 def dataset(s3, ray_cluster, tmp_path_factory):
-    store = Store()
-    texts = build_corpus(max_docs=300)
-    save_tiny_base(store, BASE, texts=texts)
-    raw = write_jsonl(({"text": t} for t in texts), tmp_path_factory.mktemp("raw") / "c.jsonl")
-    store.write_bytes("s3://eft/raw/train-tests.jsonl", raw.read_bytes())
-    cfg = make_cfg("prep")
-    prepare_dataset(cfg, store)
-    return load_manifest(store, DATA)
+    return build_tiny_dataset(make_cfg("prep"), tmp_path_factory.mktemp("raw"))
 
 
 @pytest.fixture(scope="module")
@@ -240,3 +232,37 @@ def test_sharded_load_equals_from_pretrained(dataset, parallelism):
     assert check["keys"] > 20
     assert check["max_abs_diff"] == 0.0
     assert check["rotary_diff"] == 0.0
+
+
+def test_driver_loss_resumes_with_the_data_position(straight_run, tmp_path):
+    """`eft train` killed outright mid-run, then the same command again: it resumes from the
+    latest checkpoint with the data position intact, and the summary shows one driver restart."""
+    import os
+    import time
+
+    import ray
+
+    from app.config import dump_config
+
+    _, _, reference = straight_run
+    cfg = make_cfg("driver-loss", checkpoint={"save_every_steps": 3})
+    job = tmp_path / "job.yaml"
+    job.write_text(dump_config(cfg))
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address, "RAY_AUTH_MODE": "token"}
+    driver = subprocess.Popen([sys.executable, "-m", "app.cli", "train", str(job)], env=env,
+                              cwd=Path(__file__).resolve().parents[1], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True)
+    store, deadline = Store(), time.monotonic() + 300
+    while not list_checkpoints(store, cfg.run_uri) and time.monotonic() < deadline and driver.poll() is None:
+        time.sleep(0.5)
+    driver.kill()
+    driver.wait()
+    killed_at = len(load_metrics(store, cfg.run_uri))
+    assert list_checkpoints(store, cfg.run_uri) and killed_at < 12
+    summary = run_training(cfg)
+    metrics = load_metrics(store, cfg.run_uri)
+    assert summary["steps"] == 12 and summary["driver_restarts"] == 1
+    assert summary["interruptions"][0]["cause"] == "driver_restart"
+    assert step_rows(metrics) == step_rows(reference)
+    for got, want in zip(metrics, reference):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-9, abs=1e-9), got["step"]

@@ -124,6 +124,14 @@ class Heartbeat:
 
 
 def load_heartbeats(store: Store, run_uri: str) -> list[dict]:
+    """Read while the run writes them: one caught mid-overwrite is skipped, not fatal."""
+    from app.storage import StorageError
+
     root = join(run_uri, "heartbeats")
-    beats = [store.read_json(join(root, f)) for f in store.list_files(root)]
+    beats = []
+    for name in store.list_files(root):
+        try:
+            beats.append(store.read_json(join(root, name)))
+        except StorageError:
+            continue
     return sorted(beats, key=lambda b: b["started_at"])

@@ -59,7 +59,7 @@ def run_scenario(cluster, nodes, worker_args, out_path: str, base_uri: str, data
                                                            "up_proj", "down_proj"]},
         "data": {"uri": data_uri, "seq_len": 64},
         "training": {"max_steps": int(os.environ.get("SPOT_STEPS", "150")), "global_batch_size": 12,
-                     "micro_batch_size": 2, "lr": 1e-2, "schedule": "constant", "trace_rows": True},
+                     "micro_batch_size": 2, "lr": 3e-3, "schedule": "constant", "trace_rows": True},
         "checkpoint": {"save_every_steps": 10},
         "scaling": {"min_workers": 2, "max_workers": 3, "cpus_per_worker": 1,
                     "resources_per_worker": {"trainer_slot": 1}, "elastic_resize_monitor_interval_s": 3,

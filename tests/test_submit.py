@@ -1,0 +1,59 @@
+"""`ray job submit` with the real Ray Jobs CLI to a real `ray start --head` (the local stack):
+the README's command runs prepare + train, and a bad config reaches `ray job logs` readably."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import boto3
+
+ROOT = Path(__file__).resolve().parents[1]
+RAY = str(Path(sys.executable).with_name("ray"))
+EXCLUDES = json.dumps({"excludes": [".venv", ".eft", ".git", "bench", "notebooks", "kuberay"]})
+
+
+def run(cmd, env, timeout=600):
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout)
+
+
+def submit(env, *entrypoint: str, submission_id: str):
+    return run([RAY, "job", "submit", "--address", env["RAY_API_SERVER_ADDRESS"], "--working-dir", ".",
+                "--submission-id", submission_id, "--runtime-env-json", EXCLUDES, "--", *entrypoint], env)
+
+
+def job_status(env, submission_id: str) -> str:
+    out = run([RAY, "job", "status", "--address", env["RAY_API_SERVER_ADDRESS"], submission_id], env)
+    return out.stdout
+
+
+def test_ray_job_submit_trains_and_reports_errors(tmp_path):
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "RAY_ADDRESS"))}
+    up = run([sys.executable, "-m", "app.cli", "local", "up", "--state-dir", str(tmp_path)], clean)
+    assert up.returncode == 0, up.stderr[-2000:]
+    env = {**clean, **dict(line[len("export "):].split("=", 1) for line in up.stdout.splitlines()
+                           if line.startswith("export "))}
+    try:
+        eft = [sys.executable, "-m", "app.cli"]
+        cfg = "jobs/configs/tiny-cpu.yaml"
+        good = f"eft-test-{uuid.uuid4().hex[:6]}"
+        entry = " ".join(eft + ["prepare", cfg]) + " && " + " ".join(eft + ["train", cfg, "--set",
+                                                                           "training.max_steps=4"])
+        done = submit(env, "bash", "-c", entry, submission_id=good)
+        assert "SUCCEEDED" in job_status(env, good), done.stdout[-3000:] + done.stderr[-3000:]
+        s3 = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1")
+        summary = json.loads(s3.get_object(Bucket="eft", Key="runs/tiny-cpu/summary.json")["Body"].read())
+        assert summary["status"] == "succeeded" and summary["steps"] == 4
+
+        bad = f"eft-bad-{uuid.uuid4().hex[:6]}"
+        submit(env, *eft, "train", cfg, "--set", "training.lr_typo=1", submission_id=bad)
+        assert "FAILED" in job_status(env, bad)
+        logs = run([RAY, "job", "logs", "--address", env["RAY_API_SERVER_ADDRESS"], bad], env).stdout
+        assert f"eft: error: {cfg}: training.lr_typo: unknown key" in logs
+        assert "Traceback" not in logs
+    finally:
+        run([sys.executable, "-m", "app.cli", "local", "down", "--state-dir", str(tmp_path)], clean)
