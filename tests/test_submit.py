@@ -27,8 +27,11 @@ def submit(env, *entrypoint: str, submission_id: str):
 
 
 def job_status(env, submission_id: str) -> str:
-    out = run([RAY, "job", "status", "--address", env["RAY_API_SERVER_ADDRESS"], submission_id], env)
-    return out.stdout
+    """The job's status through Ray's SDK, in a process that has the stack's env (token auth)."""
+    probe = ("import sys; from ray.job_submission import JobSubmissionClient; "
+             "print(JobSubmissionClient(sys.argv[1]).get_job_status(sys.argv[2]).value)")
+    out = run([sys.executable, "-c", probe, env["RAY_API_SERVER_ADDRESS"], submission_id], env)
+    return out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-2000:]
 
 
 def test_ray_job_submit_trains_and_reports_errors(tmp_path):
@@ -44,14 +47,15 @@ def test_ray_job_submit_trains_and_reports_errors(tmp_path):
         entry = " ".join(eft + ["prepare", cfg]) + " && " + " ".join(eft + ["train", cfg, "--set",
                                                                            "training.max_steps=4"])
         done = submit(env, "bash", "-c", entry, submission_id=good)
-        assert "SUCCEEDED" in job_status(env, good), done.stdout[-3000:] + done.stderr[-3000:]
-        s3 = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1")
+        assert job_status(env, good) == "SUCCEEDED", done.stdout[-3000:] + done.stderr[-3000:]
+        s3 = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1",
+                          aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"])
         summary = json.loads(s3.get_object(Bucket="eft", Key="runs/tiny-cpu/summary.json")["Body"].read())
         assert summary["status"] == "succeeded" and summary["steps"] == 4
 
         bad = f"eft-bad-{uuid.uuid4().hex[:6]}"
         submit(env, *eft, "train", cfg, "--set", "training.lr_typo=1", submission_id=bad)
-        assert "FAILED" in job_status(env, bad)
+        assert job_status(env, bad) == "FAILED"
         logs = run([RAY, "job", "logs", "--address", env["RAY_API_SERVER_ADDRESS"], bad], env).stdout
         assert f"eft: error: {cfg}: training.lr_typo: unknown key" in logs
         assert "Traceback" not in logs
