@@ -165,7 +165,9 @@ def train_loop_per_worker(config: dict) -> None:
     # --- resume ------------------------------------------------------------------
     state = ckpt.restore(checkpoint, model, optimizer, lora=cfg.lora is not None)
     step, rows_consumed = state.step, state.rows_consumed
-    assert rows_consumed == start_rows, (rows_consumed, start_rows)
+    if rows_consumed != start_rows:
+        raise RuntimeError(f"checkpoint {checkpoint.path}: train_state changed while loading "
+                           f"({start_rows} then {rows_consumed} rows consumed)")
     metrics = MetricsLog(store, cfg.run_uri, enabled=rank == 0)
     metrics.load(up_to_step=step)
     attempt = None
