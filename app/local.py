@@ -46,6 +46,17 @@ def wait_for_port(port: int, timeout_s: float = 30.0, proc: Optional[subprocess.
     raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout_s}s")
 
 
+def wait_for_log(path: Path, text: str, timeout_s: float, proc: Optional[subprocess.Popen] = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode}; see {path}")
+        if path.exists() and text in path.read_text(errors="replace"):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"{text!r} not in {path} after {timeout_s}s")
+
+
 @dataclass
 class S3Server:
     proc: subprocess.Popen
@@ -160,6 +171,10 @@ def up(state_dir: Path, num_cpus: Optional[int] = None, s3_port: Optional[int] =
     )
     try:
         wait_for_port(ray_port, timeout_s=120, proc=ray_proc)
+        # The GCS port opens first; jobs can be submitted once `ray start` reports the whole
+        # runtime (dashboard and its agents) up.
+        wait_for_log(state_dir / "ray.log", "Ray runtime started", timeout_s=120, proc=ray_proc)
+        wait_for_port(dashboard_port, timeout_s=60, proc=ray_proc)
     except Exception:
         stop_pid(ray_proc.pid)
         s3.stop()

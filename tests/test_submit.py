@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -22,8 +23,15 @@ def run(cmd, env, timeout=600):
 
 
 def submit(env, *entrypoint: str, submission_id: str):
-    return run([RAY, "job", "submit", "--address", env["RAY_API_SERVER_ADDRESS"], "--working-dir", ".",
-                "--submission-id", submission_id, "--runtime-env-json", EXCLUDES, "--", *entrypoint], env)
+    cmd = [RAY, "job", "submit", "--address", env["RAY_API_SERVER_ADDRESS"], "--working-dir", ".",
+           "--submission-id", submission_id, "--runtime-env-json", EXCLUDES, "--", *entrypoint]
+    for _ in range(10):
+        out = run(cmd, env)
+        # The head's job agent can lag the dashboard by a moment; Ray says to try again.
+        if "No available agent to submit job" not in out.stdout + out.stderr:
+            return out
+        time.sleep(3)
+    return out
 
 
 def job_status(env, submission_id: str) -> str:
