@@ -165,6 +165,10 @@ def up(state_dir: Path, num_cpus: Optional[int] = None, s3_port: Optional[int] =
         [str(ray_bin) if ray_bin.exists() else "ray", "start", "--head", "--block",
          f"--port={ray_port}", "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}",
          "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
+         # Every agent port free too: a second Ray on this machine (a notebook's, a test
+         # session's) holds the defaults, and a head whose job agent cannot bind takes no jobs.
+         f"--dashboard-agent-listen-port={find_free_port()}", f"--dashboard-agent-grpc-port={find_free_port()}",
+         f"--runtime-env-agent-port={find_free_port()}", f"--metrics-export-port={find_free_port()}",
          "--disable-usage-stats",
          f"--temp-dir={Path('/tmp') / ('ray-eft-' + str(ray_port))}"],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
