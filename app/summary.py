@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Optional
 
+from app.data.prepare import load_manifest
 from app.storage import Store, join
 from app.train import checkpoint as ckpt
 from app.train.metrics import load_heartbeats, load_metrics
@@ -76,8 +77,6 @@ def build_summary(store: Store, cfg, status: str, wall_s: float, error: Optional
     checkpoints = ckpt.list_checkpoints(store, cfg.run_uri)
     steps = int(_last(metrics, "step") or 0)
     rows = int(_last(metrics, "rows_consumed") or 0)
-    from app.data.prepare import load_manifest
-
     train_rows = load_manifest(store, cfg.data.uri)["splits"]["train"]["rows"]
     return {
         "name": cfg.name,
