@@ -129,6 +129,30 @@ def cmd_manifests(args) -> int:
     return 0
 
 
+def cmd_status(args) -> int:
+    from rich.console import Console
+
+    from app.report import build_status, load_run, render_status
+    from app.storage import Store
+
+    status = build_status(load_run(Store(), args.run_uri))
+    if args.json:
+        print(json.dumps(status, indent=2))
+    else:
+        Console().print(render_status(status))
+    return 0
+
+
+def cmd_report(args) -> int:
+    from app.report import load_run, save_report
+    from app.storage import Store
+
+    store = Store()
+    for uri in save_report(store, load_run(store, args.run_uri), out_uri=args.out):
+        print(uri)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eft", description="Ray-native elastic LLM fine-tuning")
     parser.add_argument("--traceback", action="store_true", help="show the full traceback on errors")
@@ -172,6 +196,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", default=None, metavar="DIR", help="validate every YAML under DIR (or a file)")
     p.add_argument("--crd-dir", default=None, help="KubeRay CRD directory (default: ../shared/kuberay/crds)")
     p.set_defaults(fn=cmd_manifests)
+    p = sub.add_parser("status", help="state, progress, losses and restarts of a run")
+    p.add_argument("run_uri", help="the run, e.g. s3://eft/runs/tiny-cpu")
+    p.add_argument("--json", action="store_true", help="print the status as JSON")
+    p.set_defaults(fn=cmd_status)
+    p = sub.add_parser("report", help="loss plot + Markdown summary of a run")
+    p.add_argument("run_uri", help="the run, e.g. s3://eft/runs/tiny-cpu")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="where to write loss.png and report.md (default: <run_uri>/report/)")
+    p.set_defaults(fn=cmd_report)
     return parser
 
 
@@ -180,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [eft] %(message)s")
+    # boto3 logs where it found credentials at INFO on every client: noise on stderr, which
+    # should hold nothing but the one-line error when a command fails.
+    logging.getLogger("botocore.credentials").setLevel(logging.WARNING)
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)

@@ -76,6 +76,11 @@ class TrainingConfig(_Strict):
     log_every_steps: int = Field(1, gt=0)
     eval_every_steps: Optional[int] = Field(None, gt=0)
     eval_max_batches: int = Field(8, gt=0)
+    # When G does not split evenly at some world size in scaling.min..max_workers: false rejects
+    # the config; true lets workers take floor/ceil(G/W) rows and run label-free padding
+    # micro-batches so every rank does the same number of forward/backward passes (FSDP
+    # collectives must match). The gradient is unchanged; the padding costs compute.
+    pad_uneven_batches: bool = False
     # Record the row_ids of every optimizer step in metrics.jsonl (one all-gather per logged step).
     trace_rows: bool = False
 
@@ -143,11 +148,14 @@ class JobConfig(_Strict):
         if s.min_workers > s.max_workers:
             raise ValueError(f"scaling.min_workers ({s.min_workers}) > scaling.max_workers ({s.max_workers})")
         for world in range(s.min_workers, s.max_workers + 1):
-            if t.global_batch_size % (world * t.micro_batch_size):
+            if t.pad_uneven_batches and t.global_batch_size < world:
+                raise ValueError(f"training.global_batch_size {t.global_batch_size} < {world} workers "
+                                 f"(scaling.max_workers {s.max_workers}): some workers would get no rows")
+            if not t.pad_uneven_batches and t.global_batch_size % (world * t.micro_batch_size):
                 raise ValueError(
                     f"training.global_batch_size {t.global_batch_size} cannot be split into "
                     f"{world} workers x micro_batch_size {t.micro_batch_size} (world size {world} "
-                    f"is in scaling.min_workers..max_workers)"
+                    f"is in scaling.min_workers..max_workers; or set training.pad_uneven_batches: true)"
                 )
         return self
 

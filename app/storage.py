@@ -156,6 +156,15 @@ class Store:
             return []
         return sorted(i.path[len(path):].lstrip("/") for i in infos if i.type == pafs.FileType.File)
 
+    def list_file_sizes(self, uri: str) -> dict[str, int]:
+        """{relative path: size in bytes} of the files under a prefix (empty if absent)."""
+        fs, path = self.resolve(uri)
+        try:
+            infos = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
+        except FileNotFoundError:
+            return {}
+        return {i.path[len(path):].lstrip("/"): i.size for i in infos if i.type == pafs.FileType.File}
+
     def list_dirs(self, uri: str) -> list[str]:
         fs, path = self.resolve(uri)
         infos = fs.get_file_info(pafs.FileSelector(path, recursive=False, allow_not_found=True))

@@ -75,6 +75,16 @@ def test_indivisible_global_batch_names_the_world_size(tmp_path):
     path = write_variant(tmp_path, lambda t: t["scaling"].update(min_workers=2, max_workers=3))
     message = config_error(path)
     assert "training.global_batch_size" in message and "world size 3" in message
+    assert "pad_uneven_batches" in message  # names the way out
+
+
+def test_padding_allows_any_world_size_with_a_row_for_each_worker(tmp_path):
+    padded = lambda t: (t["scaling"].update(min_workers=2, max_workers=3),  # noqa: E731
+                        t["training"].update(pad_uneven_batches=True))
+    assert load_config(write_variant(tmp_path, padded)).training.pad_uneven_batches
+    too_small = lambda t: (t["scaling"].update(min_workers=2, max_workers=9),  # noqa: E731
+                           t["training"].update(pad_uneven_batches=True))
+    assert "9 workers" in config_error(write_variant(tmp_path, too_small))
 
 
 def test_overrides_parse_to_typed_values():

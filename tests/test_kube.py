@@ -93,8 +93,8 @@ def test_reference_scenario_70b_on_eks_spot(reference):
     assert head["rayStartParams"]["num-cpus"] == "0"
     assert head["template"]["metadata"]["annotations"][kube.SAFE_TO_EVICT] == "false"
     group = spec["rayClusterSpec"]["workerGroupSpecs"][0]
-    # 16 workers at 1 GPU each on 8-GPU p4d.24xlarge nodes: 2 nodes.
-    assert (group["minReplicas"], group["maxReplicas"]) == (2, 2)
+    # 16..32 workers at 1 GPU each on 8-GPU p4d.24xlarge nodes: elastic between 2 and 4 nodes.
+    assert (group["minReplicas"], group["maxReplicas"]) == (2, 4)
     pod = group["template"]["spec"]
     assert pod["nodeSelector"] == {"node.kubernetes.io/instance-type": "p4d.24xlarge"}
     assert kube.selects_spot(pod) == ["eks.amazonaws.com/capacityType", "karpenter.sh/capacity-type"]

@@ -6,7 +6,9 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 
-from app.data.stream import DataOrder, RankSlice, iter_micro_batches, iter_rank_rows
+from app.data.packing import IGNORE_INDEX
+from app.data.stream import (DataOrder, RankSlice, iter_rank_rows, iter_step_batches,
+                             micro_batches_per_step)
 from app.train.loop import lr_at, total_steps
 from app.config import TrainingConfig
 
@@ -33,13 +35,13 @@ def test_seed_changes_the_order():
     assert other.epoch_row_ids(0).tolist() != ORDER.epoch_row_ids(0).tolist()
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
 def test_rank_slices_partition_every_global_batch(world):
     g = 8
     positions = np.arange(0, 5 * g)
     owners = np.stack([RankSlice(r, world, g).owns(positions) for r in range(world)])
     assert (owners.sum(0) == 1).all()
-    for r in range(world):  # each rank owns a contiguous block of G/W slots per step
+    for r in range(world):  # each rank owns a contiguous block of floor or ceil G/W slots per step
         slots = positions[owners[r]] % g
         assert set(slots.tolist()) == set(range(r * g // world, (r + 1) * g // world))
 
@@ -55,22 +57,32 @@ def _write_shards(tmp_path, order: DataOrder, seq_len=4):
     return uris
 
 
-@pytest.mark.parametrize("world,start", [(1, 0), (2, 0), (4, 16), (2, 37)])
+@pytest.mark.parametrize("world,start", [(1, 0), (2, 0), (3, 0), (4, 16), (3, 37)])
 def test_ray_data_stream_yields_each_ranks_rows_in_order(ray_cluster, tmp_path, world, start):
     """Through real Ray Data: what rank r reads at step k is exactly its slice of the global batch,
-    across an epoch boundary, from any start position (resume)."""
-    g, steps = 8, 8
+    across an epoch boundary, from any start position (resume), also when W does not divide G
+    (ranks take 2 or 3 of 8 rows and pad to the same number of micro-batches)."""
+    g, steps, micro = 8, 8, 2
     uris = _write_shards(tmp_path, ORDER)
     expected = ORDER.row_ids_at(start, start + steps * g).reshape(steps, g)
-    per_step = g // world
+    accum = micro_batches_per_step(g, world, micro)
+    seen = []
     for rank in range(world):
-        rows = iter_rank_rows(ORDER, uris, pafs.LocalFileSystem(), RankSlice(rank, world, g, origin=start),
-                              start=start)
-        batches = iter_micro_batches(rows, per_step)
+        rank_slice = RankSlice(rank, world, g, origin=start)
+        lo, hi = rank_slice.bounds
+        rows = iter_rank_rows(ORDER, uris, pafs.LocalFileSystem(), rank_slice, start=start)
+        batches = iter_step_batches(rows, rank_slice.rows_per_step, micro, accum)
         for k in range(steps):
-            ids, inputs, labels = next(batches)
-            assert ids.tolist() == expected[k, rank * per_step:(rank + 1) * per_step].tolist()
-            assert (inputs[:, 0] == ids).all() and (labels[:, -1] == ids).all()
+            step = next(batches)
+            assert len(step) == accum and all(len(m[0]) == micro for m in step)
+            ids = np.concatenate([m[0] for m in step])
+            inputs, labels = np.concatenate([m[1] for m in step]), np.concatenate([m[2] for m in step])
+            real = ids >= 0
+            assert ids[real].tolist() == expected[k, lo:hi].tolist()
+            assert (inputs[real, 0] == ids[real]).all() and (labels[real, -1] == ids[real]).all()
+            assert (labels[~real] == IGNORE_INDEX).all()  # padding carries no labels
+            seen.extend(ids[real].tolist())
+    assert sorted(seen) == sorted(expected.ravel().tolist())
 
 
 def test_lr_schedule_warms_up_then_decays_to_the_floor():

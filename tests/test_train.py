@@ -52,10 +52,22 @@ def dataset(s3, ray_cluster, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def straight_run(dataset):
-    """The reference: 12 steps on 2 workers, uninterrupted."""
+def mlflow_uri(tmp_path_factory):
+    return (tmp_path_factory.mktemp("mlflow") / "mlruns").as_uri()
+
+
+@pytest.fixture(scope="module")
+def straight_run(dataset, mlflow_uri):
+    """The reference: 12 steps on 2 workers, uninterrupted (also logged to a file-store MLflow)."""
+    import os
+
     cfg = make_cfg("straight")
-    summary = run_training(cfg)
+    # MLflow 3 keeps its file store behind an opt-in; the runs here are throwaway.
+    os.environ.update(MLFLOW_TRACKING_URI=mlflow_uri, MLFLOW_ALLOW_FILE_STORE="true")
+    try:
+        summary = run_training(cfg)
+    finally:
+        del os.environ["MLFLOW_TRACKING_URI"], os.environ["MLFLOW_ALLOW_FILE_STORE"]
     return cfg, summary, load_metrics(Store(), cfg.run_uri)
 
 
@@ -79,6 +91,46 @@ def test_lora_fsdp_run_learns_and_records_itself(straight_run, dataset):
     ckpts = list_checkpoints(store, cfg.run_uri)
     assert [c.rsplit("-", 1)[1] for c in ckpts] == ["00000006", "00000012"]
     assert summary["latest_checkpoint"] == ckpts[-1]
+
+
+def test_metrics_break_down_each_step_and_report_no_mfu_on_cpu(straight_run):
+    import math
+
+    _, _, metrics = straight_run
+    for m in metrics:
+        assert m["step_time_s"] > 0 and m["compute_s"] > 0 and m["optimizer_s"] > 0 and m["data_wait_s"] >= 0
+        assert m["compute_s"] + m["optimizer_s"] + m["data_wait_s"] <= m["step_time_s"] * 1.05
+        assert m["tokens_per_s_per_worker"] == pytest.approx(m["tokens_per_s"] / 2)
+        assert m["peak_rss_gb"] > 0.1
+        assert m["mfu"] is None  # no honest peak FLOP/s for a CPU
+    saves = [m for m in metrics if m["step"] in (1, 7)]  # the logs right after the step-6 save, and not
+    assert saves[1]["checkpoint_blocked_s"] > 0 and saves[0]["checkpoint_blocked_s"] == 0
+    evals = [m for m in metrics if "val_loss" in m]
+    assert [m["step"] for m in evals] == [6, 12]
+    assert all(m["val_ppl"] == pytest.approx(math.exp(m["val_loss"])) for m in evals)
+
+
+def test_metrics_reach_tensorboard_and_mlflow(straight_run, mlflow_uri, tmp_path, monkeypatch):
+    """Read back by the libraries' own readers: TensorBoard's event accumulator, MLflow's client."""
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg, _, metrics = straight_run
+    Store().download_dir(join(cfg.run_uri, "tensorboard"), tmp_path / "tb")
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert {"loss", "val_loss", "tokens_per_s", "grad_norm"} <= set(events.Tags()["scalars"])
+    assert [e.step for e in events.Scalars("loss")] == list(range(1, 13))
+    assert [e.value for e in events.Scalars("loss")] == pytest.approx([m["loss"] for m in metrics], rel=1e-6)
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient(mlflow_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("eft").experiment_id],
+                                filter_string=f"tags.`eft.run_uri` = '{cfg.run_uri}'")
+    assert run.info.status == "FINISHED" and run.data.params["training.global_batch_size"] == "8"
+    history = client.get_metric_history(run.info.run_id, "loss")
+    assert sorted(h.step for h in history) == list(range(1, 13))
+    assert "aws_secret" not in str(run.data.params).lower()
 
 
 def test_lora_checkpoint_holds_adapters_not_the_base(straight_run):
@@ -115,19 +167,181 @@ def test_resume_continues_exactly_where_it_stopped(straight_run):
     assert summary["resumed_from_steps"] == [6] and summary["driver_restarts"] == 1
 
 
-def test_resume_on_a_different_worker_count(straight_run):
-    """Checkpoint at 2 workers, resume at 1: DCP reshards, the global batch and the rows per step
-    stay the same, and the run ends at the configured step."""
+def _gather_restored_state(config: dict) -> None:
+    """Worker fn: restore one checkpoint into a fresh model and optimizer at this world size,
+    gather the full trainable state, and save it from rank 0."""
+    import ray.train
+    import ray.train.torch
+    import torch
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    from app.config import JobConfig
+    from app.train import checkpoint as ckpt
+    from app.train.model import build_model, trainable_parameters
+
+    cfg = JobConfig.model_validate(config["cfg"])
+    ctx = ray.train.get_context()
+    store = Store()
+    model = build_model(cfg, store.cache_locally(cfg.model.uri), ray.train.torch.get_device(),
+                        ctx.get_world_rank(), ctx.get_world_size())
+    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=cfg.training.lr)
+    fs, path = store.resolve(config["checkpoint_uri"])
+    state = ckpt.restore(ray.train.Checkpoint(path, filesystem=fs), model, optimizer, lora=True)
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    gathered = {"model": get_model_state_dict(model, options=opts),
+                "optim": get_optimizer_state_dict(model, optimizer, options=opts), "step": state.step}
+    if ctx.get_world_rank() == 0:
+        torch.save(gathered, config["out"])
+    ray.train.report({})
+
+
+def gather_restored_state(cfg, checkpoint_uri: str, world: int, out: Path) -> dict:
+    import torch
+    from ray import cloudpickle
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
+    fs, root = Store().resolve(cfg.storage.root_uri)
+    TorchTrainer(
+        _gather_restored_state,
+        train_loop_config={"cfg": cfg.model_dump(mode="json"), "checkpoint_uri": checkpoint_uri, "out": str(out)},
+        scaling_config=ScalingConfig(num_workers=world, resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(name=f"{cfg.name}-gather-{world}", storage_path=root, storage_filesystem=fs),
+    ).fit()
+    return torch.load(out, weights_only=False)
+
+
+def read_checkpoint_offline(checkpoint_uri: str, work: Path) -> dict:
+    """The checkpoint's full state, read by DCP in one process with no process group."""
+    import pyarrow.fs as pafs
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    fs, path = Store().resolve(checkpoint_uri)
+    (work / "dcp").mkdir()
+    pafs.copy_files(path, str(work / "dcp"), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
+    dcp_to_torch_save(str(work / "dcp"), str(work / "full.pt"))
+    return torch.load(work / "full.pt", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def reshard_run(straight_run, tmp_path_factory):
+    """3 workers (8 rows split 3/3/2, padded) to step 4 → 2 workers to step 8 → 1 worker to 12.
+    Right after the 3-worker checkpoint, its state is also restored at 2 and at 1 worker(s)."""
+    work = tmp_path_factory.mktemp("reshard")
+    padded = {"pad_uneven_batches": True}
+    three = make_cfg("reshard", training={**padded, "max_steps": 4}, scaling={"min_workers": 3, "max_workers": 3})
+    run_training(three)
+    checkpoint_uri = list_checkpoints(Store(), three.run_uri)[-1]
+    restored = {w: gather_restored_state(three, checkpoint_uri, w, work / f"w{w}.pt") for w in (2, 1)}
+    offline = read_checkpoint_offline(checkpoint_uri, work)
+    run_training(make_cfg("reshard", training={**padded, "max_steps": 8}))
+    summary = run_training(make_cfg("reshard", training=padded, scaling={"min_workers": 1, "max_workers": 1}))
+    return summary, load_metrics(Store(), three.run_uri), restored, offline
+
+
+def test_resharded_restore_loads_the_same_parameters_and_optimizer_state(reshard_run):
+    """A checkpoint saved by 3 workers, restored at 2 and at 1: the gathered full state equals
+    what the 3 workers wrote, tensor for tensor (DCP reshards on load)."""
+    import torch
+
+    _, _, restored, offline = reshard_run
+    saved_model, saved_optim = offline["model"], offline["optim"]["state"]
+    assert saved_model and all("lora_" in k for k in saved_model)
+    assert any(k.endswith("lora_B.default.weight") and v.abs().sum() > 0 for k, v in saved_model.items())  # trained
+    for world, got in restored.items():
+        assert got["step"] == 4
+        assert set(got["model"]) == set(saved_model), world
+        for key, value in saved_model.items():
+            assert torch.equal(got["model"][key], value), (world, key)
+        assert set(got["optim"]["state"]) == set(saved_optim), world
+        for key, moments in saved_optim.items():
+            for name in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(got["optim"]["state"][key][name], moments[name]), (world, key, name)
+
+
+def test_training_continues_across_3_2_1_workers_on_the_same_trajectory(reshard_run, straight_run):
+    """The global batch and the rows per step stay the same at 3 (padded), 2 and 1 workers;
+    losses match the 2-worker run up to the reduction order."""
     _, _, reference = straight_run
-    run_training(make_cfg("reshard", training={"max_steps": 6}))
-    one = {"min_workers": 1, "max_workers": 1}
-    summary = run_training(make_cfg("reshard", scaling=one))
-    metrics = load_metrics(Store(), make_cfg("reshard").run_uri)
-    assert summary["steps"] == 12 and summary["world_sizes"] == [2, 1]
+    summary, metrics, _, _ = reshard_run
+    assert summary["steps"] == 12 and summary["world_sizes"] == [3, 2, 1]
     assert step_rows(metrics) == step_rows(reference)
-    for got, want in zip(metrics, reference):  # only the reduction order differs
+    for got, want in zip(metrics, reference):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-4), got["step"]
-    assert metrics[-1]["world_size"] == 1
+    assert [m["world_size"] for m in metrics] == [3] * 4 + [2] * 4 + [1] * 4
+
+
+def _cut_off_the_first_upload_of_step_9(config: dict) -> None:
+    """Worker fn: the training loop, except that rank 0 dies halfway through uploading the
+    step-9 checkpoint (small files up, its shard not), the way a reclaimed node would."""
+    import os
+
+    import pyarrow.fs as pafs
+    from ray.train.v2._internal.execution import storage as ray_storage
+
+    from app.config import JobConfig
+    from app.train.loop import train_loop_per_worker
+
+    cfg = JobConfig.model_validate(config["cfg"])
+    store, marker = Store(), join(cfg.run_uri, "upload-cut-off")
+    upload = ray_storage._pyarrow_fs_copy_files
+
+    def cut_off(source, destination, source_filesystem=None, destination_filesystem=None, **kwargs):
+        names = sorted(os.listdir(source)) if os.path.isdir(source) else []
+        if destination.rstrip("/").endswith("checkpoint-00000009") and ".metadata" in names \
+                and not store.exists(marker):
+            store.write_text(marker, "rank 0 died mid-upload")
+            for name in names:
+                if not name.endswith(".distcp"):
+                    pafs.copy_files(os.path.join(source, name), f"{destination}/{name}",
+                                    destination_filesystem=destination_filesystem)
+            os._exit(1)
+        return upload(source, destination, source_filesystem, destination_filesystem, **kwargs)
+
+    ray_storage._pyarrow_fs_copy_files = cut_off
+    train_loop_per_worker(config)
+
+
+def test_a_cut_off_checkpoint_upload_is_never_loaded(straight_run):
+    """Rank 0 dies mid-upload of checkpoint 9: the run restarts from checkpoint 6, not from the
+    torn one, recomputes 7-9, and ends on the uninterrupted trajectory."""
+    from ray import cloudpickle
+
+    _, _, reference = straight_run
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
+    cfg = make_cfg("cut-off", checkpoint={"save_every_steps": 3})
+    summary = run_training(cfg, train_fn=_cut_off_the_first_upload_of_step_9)
+    store = Store()
+    assert store.exists(join(cfg.run_uri, "upload-cut-off"))  # the fault did happen
+    assert summary["status"] == "succeeded" and summary["steps"] == 12
+    (interruption,) = summary["interruptions"]
+    assert interruption["cause"] == "worker_failure" and interruption["resumed_from_step"] == 6
+    metrics = load_metrics(store, cfg.run_uri)
+    assert step_rows(metrics) == step_rows(reference)
+    for got, want in zip(metrics, reference):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-9, abs=1e-9), got["step"]
+
+
+def test_a_torn_checkpoint_directory_is_not_listed(straight_run):
+    """Outside Ray (resume detection, export, status): a checkpoint missing a shard named by its
+    metadata is incomplete, and the latest complete one is used instead."""
+    import pyarrow.fs as pafs
+
+    cfg, _, _ = straight_run
+    store = Store()
+    fs, path = store.resolve(cfg.run_uri)
+    complete = list_checkpoints(store, cfg.run_uri)
+    torn = f"{path}/checkpoint-00000099"
+    pafs.copy_files(f"{path}/checkpoint-00000012", torn, source_filesystem=fs, destination_filesystem=fs)
+    assert list_checkpoints(store, cfg.run_uri)[-1].endswith("checkpoint-00000099")
+    fs.delete_file(f"{torn}/__1_0.distcp")
+    try:
+        assert list_checkpoints(store, cfg.run_uri) == complete
+    finally:
+        fs.delete_dir(torn)
 
 
 def test_ddp_follows_the_same_trajectory_as_fsdp(straight_run):

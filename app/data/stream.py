@@ -8,7 +8,7 @@ first served, so it cannot give a reproducible trajectory):
   epoch `p // N`, offset `p % N` (N = train rows). Epoch e visits the shards in a permuted
   order and each shard's rows in a permuted order, both drawn from (seed, epoch[, shard]).
 * Optimizer step k consumes positions [k*G, (k+1)*G) (G = global batch), so the rows of a
-  step are the same at every world size; worker r of W takes slots [r*G/W, (r+1)*G/W).
+  step are the same at every world size; worker r of W takes slots [r*G//W, (r+1)*G//W).
 * The data position is one integer: rows consumed. Resuming at any world size skips exactly
   those rows; rows a worker had prefetched but not consumed are simply read again.
 
@@ -19,10 +19,13 @@ epoch order, and a filter that drops other workers' rows before they leave the r
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import numpy as np
+
+from app.data.packing import IGNORE_INDEX as IGNORE
 
 log = logging.getLogger(__name__)
 READ_CPUS = 0.25
@@ -89,7 +92,8 @@ class DataOrder:
 
 @dataclass(frozen=True)
 class RankSlice:
-    """Which global positions one worker consumes: slot ((p - origin) mod G) in [rank*L, (rank+1)*L).
+    """Which global positions one worker consumes: slot ((p - origin) mod G) in
+    [rank*G//W, (rank+1)*G//W), so ranks take floor or ceil of G/W rows when W does not divide G.
     `origin` is where the current run's steps started counting (rows consumed at resume), so a
     global batch changed between runs still splits into whole steps."""
 
@@ -99,11 +103,19 @@ class RankSlice:
     origin: int = 0
 
     @property
+    def bounds(self) -> tuple[int, int]:
+        g, w = self.global_batch, self.world_size
+        return self.rank * g // w, (self.rank + 1) * g // w
+
+    @property
     def rows_per_step(self) -> int:
-        return self.global_batch // self.world_size
+        lo, hi = self.bounds
+        return hi - lo
 
     def owns(self, positions: np.ndarray) -> np.ndarray:
-        return ((positions - self.origin) % self.global_batch) // self.rows_per_step == self.rank
+        lo, hi = self.bounds
+        slot = (positions - self.origin) % self.global_batch
+        return (slot >= lo) & (slot < hi)
 
 
 class _KeepRankRows:
@@ -165,12 +177,24 @@ def iter_rank_rows(order: DataOrder, shard_uris: list[str], filesystem, rank_sli
         epoch += 1
 
 
-def iter_micro_batches(rows: Iterator[tuple[int, np.ndarray, np.ndarray]], micro_batch: int):
-    """Group rows into micro-batches: (row_ids, input_ids [B, T], labels [B, T]) as numpy."""
+def micro_batches_per_step(global_batch: int, world_size: int, micro_batch: int) -> int:
+    """The same on every rank: enough micro-batches for the largest share, ceil(G/W)."""
+    return math.ceil(math.ceil(global_batch / world_size) / micro_batch)
+
+
+def iter_step_batches(rows: Iterator[tuple[int, np.ndarray, np.ndarray]], rows_per_step: int,
+                      micro_batch: int, accum: int) -> Iterator[list[tuple[np.ndarray, np.ndarray, np.ndarray]]]:
+    """One optimizer step's micro-batches at a time: `accum` × (row_ids, input_ids [B, T],
+    labels [B, T]). Slots past this rank's `rows_per_step` rows are padding: row_id -1 and no
+    labels, so they add nothing to the loss or the gradient."""
+    slots = accum * micro_batch
     while True:
-        chunk = [next(rows) for _ in range(micro_batch)]
-        yield (np.array([c[0] for c in chunk], dtype=np.int64), np.stack([c[1] for c in chunk]),
-               np.stack([c[2] for c in chunk]))
+        chunk = [next(rows) for _ in range(rows_per_step)]
+        ids = np.array([c[0] for c in chunk] + [-1] * (slots - rows_per_step), dtype=np.int64)
+        inputs = np.stack([c[1] for c in chunk] + [chunk[0][1]] * (slots - rows_per_step))
+        labels = np.stack([c[2] for c in chunk] + [np.full_like(chunk[0][2], IGNORE)] * (slots - rows_per_step))
+        yield [(ids[i:i + micro_batch], inputs[i:i + micro_batch], labels[i:i + micro_batch])
+               for i in range(0, slots, micro_batch)]
 
 
 def prefetch_in_background(iterator: Iterator, depth: int) -> Iterator:

@@ -30,17 +30,20 @@ def checkpoint_dir_name(step: int) -> str:
 
 
 def is_complete(store: Store, ckpt_uri: str) -> bool:
-    """Complete = train_state.json, DCP metadata, and every file the metadata refers to.
-    A checkpoint whose upload was cut off fails this and is never loaded."""
-    files = set(store.list_files(ckpt_uri))
-    if TRAIN_STATE not in files or ".metadata" not in files:
+    """Complete = train_state.json, DCP metadata, and every file the metadata refers to, each at
+    least as long as the last byte the metadata reads from it. A checkpoint whose upload was
+    cut off fails this and is never loaded."""
+    sizes = store.list_file_sizes(ckpt_uri)
+    if TRAIN_STATE not in sizes or ".metadata" not in sizes:
         return False
     try:
         meta = pickle.loads(store.read_bytes(join(ckpt_uri, ".metadata")))
     except Exception:
         return False
-    needed = {info.relative_path for info in (meta.storage_data or {}).values()}
-    return needed <= files
+    needed: dict[str, int] = {}
+    for info in (meta.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    return all(sizes.get(path, -1) >= end for path, end in needed.items())
 
 
 def list_checkpoints(store: Store, run_uri: str) -> list[str]:
@@ -53,6 +56,10 @@ def list_checkpoints(store: Store, run_uri: str) -> list[str]:
 def find_latest_checkpoint(store: Store, run_uri: str) -> Optional[str]:
     found = list_checkpoints(store, run_uri)
     return found[-1] if found else None
+
+
+def step_of(ckpt_uri: str) -> int:
+    return int(ckpt_uri.rstrip("/").rsplit(CHECKPOINT_PREFIX, 1)[1])
 
 
 def load_train_state(store: Store, ckpt_uri: str) -> dict:
@@ -108,6 +115,29 @@ def save(cfg, store: Store, model, optimizer, *, step: int, rows_consumed: int, 
                      delete_local_checkpoint_after_upload=True)
     if mode == CheckpointUploadMode.SYNC:
         shutil.rmtree(local, ignore_errors=True)
+
+
+def select_resume_checkpoint(registered, store: Store, run_uri: str, rank: int):
+    """The checkpoint to resume from: Ray Train's latest registered one, or a newer complete one
+    in storage. With async uploads a checkpoint can be fully up when its node dies but not yet
+    registered by Ray's controller (which learns of it on its next poll); resuming from it
+    saves the steps since the registered one (a just-in-time checkpoint is the typical case).
+    Rank 0 decides and broadcasts, so every rank loads the same one."""
+    import ray.train
+    import torch.distributed as dist
+
+    choice = [None]
+    if rank == 0:
+        latest = find_latest_checkpoint(store, run_uri)
+        registered_step = step_of(registered.path) if registered is not None else -1
+        if latest is not None and step_of(latest) > registered_step:
+            choice[0] = latest
+    if dist.is_initialized():
+        dist.broadcast_object_list(choice, src=0)
+    if choice[0] is None:
+        return registered
+    fs, path = store.resolve(choice[0])
+    return ray.train.Checkpoint(path, filesystem=fs)
 
 
 def peek_train_state(checkpoint) -> dict:

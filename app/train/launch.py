@@ -15,6 +15,8 @@ from app.data.prepare import load_manifest
 from app.storage import Store, join
 from app.summary import build_summary, write_summary
 from app.train import checkpoint as ckpt
+from app.train.elastic import NodeWatcher
+from app.train.sinks import mlflow_settings
 from app.train.model import ModelError
 
 log = logging.getLogger("eft.launch")
@@ -52,7 +54,7 @@ def init_ray(num_cpus: int | None = None) -> None:
         ray.init(address="local", num_cpus=num_cpus or max(8, 4 * (os.cpu_count() or 2)), include_dashboard=True)
 
 
-def build_trainer(cfg: JobConfig, store: Store):
+def build_trainer(cfg: JobConfig, store: Store, train_fn=None):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -67,8 +69,8 @@ def build_trainer(cfg: JobConfig, store: Store):
     num_workers = s.min_workers if s.min_workers == s.max_workers else (s.min_workers, s.max_workers)
     fs, root = store.resolve(cfg.storage.root_uri)
     return TorchTrainer(
-        train_loop_per_worker,
-        train_loop_config={"cfg": cfg.model_dump(mode="json")},
+        train_fn or train_loop_per_worker,
+        train_loop_config={"cfg": cfg.model_dump(mode="json"), "mlflow": mlflow_settings()},
         torch_config=TorchConfig(backend="nccl" if s.use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=s.use_gpu, resources_per_worker=resources,
                                      elastic_resize_monitor_interval_s=s.elastic_resize_monitor_interval_s),
@@ -81,8 +83,9 @@ def build_trainer(cfg: JobConfig, store: Store):
     )
 
 
-def run_training(cfg: JobConfig, store: Store | None = None) -> dict:
-    """Preflight → trainer.fit() → summary.json. Returns the summary."""
+def run_training(cfg: JobConfig, store: Store | None = None, train_fn=None) -> dict:
+    """Preflight → trainer.fit() → summary.json. Returns the summary. `train_fn` wraps the
+    worker loop (tests inject faults with it)."""
     store = store or Store.from_config(cfg.storage)
     preflight(cfg, store)
     init_ray()
@@ -92,10 +95,14 @@ def run_training(cfg: JobConfig, store: Store | None = None) -> dict:
     store.write_text(join(cfg.run_uri, "config.yaml"), dump_config(cfg))
     ckpt.record_event(store, cfg.run_uri, "driver_start", resumed=resumed)
     status, error = "succeeded", None
+    watcher = NodeWatcher().start() if cfg.scaling.min_workers < cfg.scaling.max_workers else None
     try:
-        build_trainer(cfg, store).fit()
+        build_trainer(cfg, store, train_fn).fit()
     except Exception as err:  # the summary records the failure; the CLI re-raises it
         status, error = "failed", err
+    finally:
+        if watcher:
+            watcher.stop()
     summary = build_summary(store, cfg, status=status, wall_s=time.time() - started,
                             error=None if error is None else f"{type(error).__name__}: {error}")
     write_summary(store, cfg.run_uri, summary)

@@ -2,9 +2,10 @@
 setup → resume → loop → report.
 
 The optimizer always sees `training.global_batch_size` sequences per step, whatever the
-world size: each worker takes G/W rows per step in `accum = G / (W * micro_batch)` micro-
-batches, and the loss is normalized by the label tokens of the whole global batch, so the
-gradient of step k is the same function of the same rows at every world size.
+world size: each worker takes its G/W rows per step (floor or ceil, with
+`training.pad_uneven_batches`) in `accum` micro-batches, the same number on every rank,
+and the loss is normalized by the label tokens of the whole global batch, so the gradient of
+step k is the same function of the same rows at every world size.
 """
 
 from __future__ import annotations
@@ -20,16 +21,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from app.config import JobConfig
+from app.data.packing import IGNORE_INDEX as IGNORE
 from app.data.prepare import load_manifest, shard_uris
-from app.data.stream import (DataOrder, RankSlice, iter_micro_batches, iter_rank_rows, load_split_rows,
-                             prefetch_in_background)
+from app.data.stream import (DataOrder, RankSlice, iter_rank_rows, iter_step_batches, load_split_rows,
+                             micro_batches_per_step, prefetch_in_background)
 from app.storage import Store
 from app.train import checkpoint as ckpt
-from app.train.metrics import Heartbeat, MetricsLog, StepTimer, format_progress
+from app.train.metrics import Heartbeat, MetricsLog, StepTimer, format_progress, peak_memory
+from app.train.mfu import mfu, model_flops_per_token, peak_flops
+from app.train.sinks import MlflowSink, TensorBoardSink, flatten
 from app.train.model import build_model, count_parameters, resolve_precision, trainable_parameters
 
 log = logging.getLogger("eft.train")
-IGNORE = -100
 
 
 def lr_at(step: int, total: int, t) -> float:
@@ -131,8 +134,9 @@ def train_loop_per_worker(config: dict) -> None:
     store = Store.from_config(cfg.storage)
     device = ray.train.torch.get_device()
     t = cfg.training
-    accum = t.global_batch_size // (world * t.micro_batch_size)
-    if accum * world * t.micro_batch_size != t.global_batch_size:
+    accum = micro_batches_per_step(t.global_batch_size, world, t.micro_batch_size)
+    padding_rows = accum * world * t.micro_batch_size - t.global_batch_size
+    if padding_rows and not t.pad_uneven_batches:
         raise ValueError(f"training.global_batch_size {t.global_batch_size} cannot be split into "
                          f"{world} workers x micro_batch_size {t.micro_batch_size}")
 
@@ -144,11 +148,12 @@ def train_loop_per_worker(config: dict) -> None:
 
     # The data position comes from the checkpoint's train_state.json alone, so the stream starts
     # here and its start-up overlaps building the model and restoring the shards.
-    checkpoint = ray.train.get_checkpoint()
+    checkpoint = ckpt.select_resume_checkpoint(ray.train.get_checkpoint(), store, cfg.run_uri, rank)
     start_rows = int(ckpt.peek_train_state(checkpoint).get("rows_consumed", 0))
     my_slice = RankSlice(rank, world, t.global_batch_size, origin=start_rows)
     rows = iter_rank_rows(order, train_shards, data_fs, my_slice, start=start_rows)
-    batches = prefetch_in_background(iter_micro_batches(rows, t.micro_batch_size), depth=2 * accum)
+    batches = prefetch_in_background(iter_step_batches(rows, my_slice.rows_per_step, t.micro_batch_size, accum),
+                                     depth=2)
 
     local_dir = store.cache_locally(cfg.model.uri)
     model = build_model(cfg, local_dir, device, rank, world)
@@ -170,19 +175,27 @@ def train_loop_per_worker(config: dict) -> None:
                            f"({start_rows} then {rows_consumed} rows consumed)")
     metrics = MetricsLog(store, cfg.run_uri, enabled=rank == 0)
     metrics.load(up_to_step=step)
+    sinks = []
+    if rank == 0:
+        sinks.append(TensorBoardSink(store, cfg.run_uri, resumed_from_step=step))
+        if config.get("mlflow"):
+            sinks.append(MlflowSink(config["mlflow"], cfg.run_uri, flatten(config["cfg"])))
     attempt = None
     if rank == 0:
-        log.info("world %d x accum %d x micro %d = global batch %d | params %.2fM trainable of %.2fM | "
+        log.info("world %d x accum %d x micro %d = global batch %d%s | params %.2fM trainable of %.2fM | "
                  "%s from step %d of %d", world, accum, t.micro_batch_size, t.global_batch_size,
-                 n_trainable / 1e6, n_total / 1e6, "resuming" if step else "starting", step, steps_total)
+                 f" + {padding_rows} padding rows" if padding_rows else "", n_trainable / 1e6, n_total / 1e6,
+                 "resuming" if step else "starting", step, steps_total)
         attempt = ckpt.record_event(store, cfg.run_uri, "worker_group_start", world_size=world,
-                                    resumed_from_step=step if state.restored else None)
+                                    resumed_from_step=step if state.restored else None, padding_rows=padding_rows)
     heartbeat = Heartbeat(store, cfg.run_uri, attempt or "", enabled=rank == 0, world_size=world,
                           resumed_from_step=step)
     notices_seen: set = set()
 
-    timer = StepTimer(steps_total, start_step=step)
+    timer = StepTimer(steps_total, start_step=step, device=device)
     tokens_per_step = t.global_batch_size * cfg.data.seq_len
+    flops_per_token = model_flops_per_token(model, cfg.data.seq_len, cfg.lora is not None, n_total, n_trainable)
+    device_peak = peak_flops(device)
     # Summed loss and label tokens since the last logging step, kept on device: no host sync.
     loss_acc = torch.zeros((), dtype=torch.float64, device=device)
     tokens_acc = torch.zeros((), dtype=torch.float64, device=device)
@@ -197,23 +210,24 @@ def train_loop_per_worker(config: dict) -> None:
         # Dropout masks are a function of (seed, step, rank): a resumed step redraws the same.
         torch.manual_seed(step_seed(t.seed, step, rank))
 
-        timer.start_data()
-        micro = [next(batches) for _ in range(accum)]
-        timer.end_data()
-        global_tokens = all_reduce_sum(torch.tensor(float(sum(label_tokens(m[2]) for m in micro)),
-                                                    dtype=torch.float64, device=device))
-        tokens_acc += global_tokens
-        scale = world / global_tokens.clamp(min=1)
-        for i, (_, inputs, labels) in enumerate(micro):
-            x = torch.as_tensor(inputs, dtype=torch.long, device=device)
-            y = torch.as_tensor(labels, dtype=torch.long, device=device)
-            with grad_sync_context(model, enabled=i == accum - 1):
-                loss = loss_sum(model, x, y, autocast_dtype)
-                (loss * scale).backward()
-            loss_acc += loss.detach().double()
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip_norm or float("inf"))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        with timer.phase("data"):
+            micro = next(batches)
+        with timer.phase("compute"):
+            global_tokens = all_reduce_sum(torch.tensor(float(sum(label_tokens(m[2]) for m in micro)),
+                                                        dtype=torch.float64, device=device))
+            tokens_acc += global_tokens
+            scale = world / global_tokens.clamp(min=1)
+            for i, (_, inputs, labels) in enumerate(micro):
+                x = torch.as_tensor(inputs, dtype=torch.long, device=device)
+                y = torch.as_tensor(labels, dtype=torch.long, device=device)
+                with grad_sync_context(model, enabled=i == accum - 1):
+                    loss = loss_sum(model, x, y, autocast_dtype)
+                    (loss * scale).backward()
+                loss_acc += loss.detach().double()
+        with timer.phase("optimizer"):
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip_norm or float("inf"))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         nonfinite |= ~torch.isfinite(loss_acc)
         step += 1
         rows_consumed += t.global_batch_size
@@ -226,7 +240,9 @@ def train_loop_per_worker(config: dict) -> None:
                 raise FloatingPointError(f"non-finite loss {train_loss} at step {step}; stopping")
             record = {"step": step, "loss": train_loss, "lr": lr, "grad_norm": to_scalar(grad_norm),
                       "world_size": world, "rows_consumed": rows_consumed, "epoch": rows_consumed / order.num_rows,
-                      **timer.end_step(step, tokens_per_step)}
+                      **timer.end_step(step, tokens_per_step), **peak_memory(device)}
+            record["tokens_per_s_per_worker"] = record["tokens_per_s"] / world
+            record["mfu"] = mfu(record["tokens_per_s"], flops_per_token, device_peak, world)
             if t.trace_rows:
                 record["row_ids"] = gather_row_ids(micro, world, device)
             loss_acc.zero_()
@@ -234,8 +250,10 @@ def train_loop_per_worker(config: dict) -> None:
             if is_eval:
                 val_loss = evaluate(model, val, rank, world, t.micro_batch_size, device, autocast_dtype)
                 if val_loss is not None:
-                    record["val_loss"] = val_loss
+                    record["val_loss"], record["val_ppl"] = val_loss, math.exp(min(val_loss, 50.0))
             metrics.append(record)
+            for sink in sinks:
+                sink.log(record)
             if rank == 0:
                 log.info(format_progress(record, steps_total))
         else:
@@ -244,15 +262,20 @@ def train_loop_per_worker(config: dict) -> None:
 
         just_in_time = cfg.checkpoint.on_preemption and check_preemption(notices_seen, store, cfg.run_uri, step, rank)
         if just_in_time or step % cfg.checkpoint.save_every_steps == 0 or step == steps_total:
-            ckpt.save(cfg, store, model, optimizer, step=step, rows_consumed=rows_consumed, world_size=world,
-                      metrics=metrics.latest(), rank=rank)
-            metrics.flush()
+            with timer.phase("checkpoint"):
+                # Lines first: a checkpoint never exists without the metrics up to its step.
+                metrics.flush()
+                ckpt.save(cfg, store, model, optimizer, step=step, rows_consumed=rows_consumed, world_size=world,
+                          metrics=metrics.latest(), rank=rank)
             heartbeat.beat(step, force=True)
             if just_in_time and rank == 0:
                 log.info("pre-emption notice: just-in-time checkpoint at step %d; training on", step)
 
     # --- report ------------------------------------------------------------------
     # The final step always saves (above), which reports its metrics and checkpoint to Ray.
+    metrics.flush()
+    for sink in sinks:
+        sink.finish()
     if rank == 0:
         log.info("done: %d steps, %d rows consumed", step, rows_consumed)
 
@@ -276,8 +299,8 @@ def check_preemption(seen: set, store: Store, run_uri: str, step: int, rank: int
 
 
 def gather_row_ids(micro, world: int, device) -> list[int]:
-    """The global batch's row_ids in slot order (rank 0 first); tracing only."""
+    """The global batch's row_ids in slot order (rank 0 first, padding dropped); tracing only."""
     mine = torch.as_tensor(np.concatenate([m[0] for m in micro]), dtype=torch.long, device=device)
     out = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(out, mine)
-    return torch.cat(out).cpu().tolist()
+    return [r for r in torch.cat(out).cpu().tolist() if r >= 0]

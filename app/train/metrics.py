@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from typing import Optional
@@ -28,60 +29,110 @@ def load_metrics(store: Store, run_uri: str) -> list[dict]:
 
 
 class MetricsLog:
-    """Rank 0's record of the committed trajectory; rewritten whole at checkpoints (S3 has no
-    append). On resume, lines past the restored step are dropped: they were never committed."""
+    """Rank 0's record of the committed trajectory, `<run>/metrics.jsonl`, rewritten whole (S3
+    has no append) in the background at most every `upload_interval_s`, and synchronously before
+    each checkpoint, so a checkpoint never exists without the lines up to its step. On resume,
+    lines past the restored step are dropped: they were never committed."""
 
-    def __init__(self, store: Store, run_uri: str, enabled: bool):
+    def __init__(self, store: Store, run_uri: str, enabled: bool, upload_interval_s: float = 10.0):
+        from app.train.sinks import BackgroundWriter
+
         self.store, self.uri, self.enabled = store, join(run_uri, METRICS_FILE), enabled
+        self.upload_interval_s = upload_interval_s
         self.records: list[dict] = []
+        self._uploaded_at = time.monotonic()
+        self._writer = BackgroundWriter() if enabled else None
 
     def load(self, up_to_step: int) -> None:
         if self.enabled and self.store.exists(self.uri):
             self.records = [r for r in parse_jsonl(self.store.read_text(self.uri)) if r.get("step", 0) <= up_to_step]
 
     def append(self, record: dict) -> None:
-        if self.enabled:
-            self.records.append(record)
+        if not self.enabled:
+            return
+        self.records.append(record)
+        if time.monotonic() - self._uploaded_at >= self.upload_interval_s:
+            self._upload_in_background()
 
     def latest(self) -> Optional[dict]:
         if not self.records:
             return None
         return {k: v for k, v in self.records[-1].items() if k != "row_ids"}
 
+    def _upload_in_background(self) -> None:
+        self._uploaded_at = time.monotonic()
+        # The job reads the records when it runs, not now: a late job never writes an old list.
+        self._writer.submit("metrics.jsonl", lambda: self.store.write_text(
+            self.uri, "".join(json.dumps(r) + "\n" for r in list(self.records))))
+
     def flush(self) -> None:
+        """Upload now and wait for it."""
         if self.enabled:
-            self.store.write_text(self.uri, "".join(json.dumps(r) + "\n" for r in self.records))
+            self._upload_in_background()
+            self._writer.drain()
 
 
 class StepTimer:
-    """Wall time per step and time spent waiting for data, averaged over a logging interval.
-    Host-side clocks only; the logging step's sync makes the interval average exact."""
+    """Where a step's time goes, averaged over a logging interval: waiting for data, forward +
+    backward, optimizer, and time blocked on checkpoints. On CUDA the compute phases are timed
+    with CUDA events, read at the logging step (whose sync is there anyway); elsewhere, and for
+    host-side phases, host clocks."""
 
-    def __init__(self, total_steps: int, start_step: int):
+    PHASES = ("data", "compute", "optimizer", "checkpoint")
+
+    def __init__(self, total_steps: int, start_step: int, device=None):
         self.total, self.start_step = total_steps, start_step
+        self.cuda = getattr(device, "type", None) == "cuda"
         self.t0 = self.mark = time.perf_counter()
-        self.data_s = 0.0
+        self.sums = dict.fromkeys(self.PHASES, 0.0)
+        self.events: list = []
         self.steps = 0
-        self._data_start = 0.0
 
-    def start_data(self) -> None:
-        self._data_start = time.perf_counter()
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        if self.cuda and name in ("compute", "optimizer"):
+            import torch
 
-    def end_data(self) -> None:
-        self.data_s += time.perf_counter() - self._data_start
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self.events.append((name, start, end))
+            return
+        began = time.perf_counter()
+        yield
+        self.sums[name] += time.perf_counter() - began
 
     def skip_step(self) -> None:
         self.steps += 1
 
     def end_step(self, step: int, tokens_per_step: int) -> dict:
+        """Called on logging steps, after their sync."""
         self.steps += 1
+        for name, start, end in self.events:
+            self.sums[name] += start.elapsed_time(end) / 1000
         now = time.perf_counter()
         step_s = (now - self.mark) / self.steps
-        out = {"step_time_s": step_s, "data_wait_s": self.data_s / self.steps,
+        out = {"step_time_s": step_s, "data_wait_s": self.sums["data"] / self.steps,
+               "compute_s": self.sums["compute"] / self.steps, "optimizer_s": self.sums["optimizer"] / self.steps,
+               # Checkpoints are rare: the total blocked since the last log says more than an average.
+               "checkpoint_blocked_s": self.sums["checkpoint"],
                "tokens_per_s": tokens_per_step / step_s if step_s > 0 else 0.0,
                "eta_s": step_s * (self.total - step), "elapsed_s": now - self.t0}
-        self.mark, self.data_s, self.steps = now, 0.0, 0
+        self.mark, self.steps, self.events = now, 0, []
+        self.sums = dict.fromkeys(self.PHASES, 0.0)
         return out
+
+
+def peak_memory(device) -> dict:
+    """Peak accelerator memory allocated (GPU), or the process's peak resident set (CPU)."""
+    if getattr(device, "type", None) == "cuda":
+        import torch
+
+        return {"peak_mem_gb": torch.cuda.max_memory_allocated(device) / 1e9}
+    import resource
+
+    return {"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6}  # KiB on Linux
 
 
 def format_duration(seconds: float) -> str:
@@ -93,8 +144,9 @@ def format_duration(seconds: float) -> str:
 
 def format_progress(r: dict, total: int) -> str:
     val = f" val {r['val_loss']:.4f}" if "val_loss" in r else ""
+    mfu = f" mfu {r['mfu']:.1%}" if r.get("mfu") is not None else ""
     return (f"step {r['step']}/{total} loss {r['loss']:.4f}{val} lr {r['lr']:.2e} gnorm {r['grad_norm']:.3f} "
-            f"tok/s {r['tokens_per_s']:,.0f} step {r['step_time_s']:.2f}s data {r['data_wait_s']:.3f}s "
+            f"tok/s {r['tokens_per_s']:,.0f}{mfu} step {r['step_time_s']:.2f}s data {r['data_wait_s']:.3f}s "
             f"world {r['world_size']} eta {format_duration(r['eta_s'])}")
 
 

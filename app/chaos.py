@@ -1,0 +1,116 @@
+"""Rehearse spot pre-emption on one machine: a real multi-node Ray cluster
+(`ray.cluster_utils.Cluster`, one raylet per simulated node), pre-emption notices sent the way
+a cloud's drain is (GCS `DrainNode` with reason PREEMPTION and a deadline), nodes removed
+gracefully or killed outright, and a watcher that follows a run through its heartbeats.
+Used by the elastic tests and `bench/elastic_recovery.py`.
+
+Ray reads its knobs when its processes start, so `configure_fast_failure_detection()` must run
+before the cluster does: nodes it starts inherit this process's environment.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from app.storage import Store, join
+from app.train.metrics import load_heartbeats
+
+SLOT = "trainer_slot"  # one per simulated node, so each training worker lands on its own node
+# A node killed outright is declared dead after missed health checks: 3 x 1 s instead of
+# Ray's default of several times longer.
+FAST_HEALTH_CHECKS = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 1000,
+                      "health_check_timeout_ms": 1000, "health_check_failure_threshold": 3}
+
+
+def configure_fast_failure_detection() -> None:
+    """Ray Train's poll intervals, lowered so a rehearsal takes a minute, not ten."""
+    os.environ.update({"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "1", "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.5",
+                       "RAY_USAGE_STATS_ENABLED": "0"})
+
+
+@dataclass
+class LocalCluster:
+    cluster: object
+    nodes: list
+    node_args: dict = field(default_factory=dict)
+
+    @property
+    def address(self) -> str:
+        return self.cluster.address
+
+    def add_node(self):
+        node = self.cluster.add_node(**self.node_args)
+        self.nodes.append(node)
+        return node
+
+    def preempt(self, node, deadline_s: float) -> bool:
+        """A spot reclaim notice: drain `node` with reason PREEMPTION, going in `deadline_s`.
+        Returns whether the GCS accepted it."""
+        import ray
+        from ray.core.generated import autoscaler_pb2
+
+        gcs = ray._raylet.GcsClient(address=self.address)
+        reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
+        accepted, _ = gcs.drain_node(node.node_id, reason, "spot reclaim (rehearsal)",
+                                     int((time.time() + deadline_s) * 1000))
+        return bool(accepted)
+
+    def remove(self, node, graceful: bool) -> None:
+        """graceful: the node goes the way a drained spot node does; else killed outright."""
+        self.cluster.remove_node(node, allow_graceful=graceful)
+        self.nodes.remove(node)
+
+    def shutdown(self) -> None:
+        self.cluster.shutdown()
+
+
+def start_cluster(worker_nodes: int, cpus_per_node: int = 2, head_cpus: int = 3) -> LocalCluster:
+    """A head (CPU for the driver, Train's controller and Ray Data) and `worker_nodes` nodes,
+    each with one `trainer_slot`; then `ray.init` joins it."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from app.local import find_free_port
+
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": head_cpus, "include_dashboard": True, "dashboard_port": find_free_port(),
+        "_system_config": FAST_HEALTH_CHECKS})
+    node_args = {"num_cpus": cpus_per_node, "resources": {SLOT: 1}}
+    nodes = [cluster.add_node(**node_args) for _ in range(worker_nodes)]
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address)
+    return LocalCluster(cluster, nodes, node_args)
+
+
+class RunWatcher:
+    """Follows a run from its heartbeats in storage (what `eft status` reads too)."""
+
+    def __init__(self, store: Store, run_uri: str, alive=lambda: True):
+        self.store, self.run_uri, self.alive = store, run_uri, alive
+
+    def heartbeats(self) -> list[dict]:
+        if not self.store.exists(join(self.run_uri, "heartbeats")):
+            return []
+        return load_heartbeats(self.store, self.run_uri)
+
+    def wait_step(self, at_least: int, world_size: Optional[int] = None, after: float = 0.0,
+                  timeout_s: float = 300) -> int:
+        """Block until a worker group (of `world_size`, started after `after`, if given) has
+        reached step `at_least`; returns the step it is at."""
+        deadline = time.time() + timeout_s
+        while time.time() < deadline and self.alive():
+            beats = [b for b in self.heartbeats() if b["started_at"] > after
+                     and (world_size is None or b.get("world_size") == world_size)]
+            step = max([b.get("last_step") or 0 for b in beats] or [0])
+            if step >= at_least:
+                return step
+            time.sleep(0.2)
+        raise TimeoutError(f"{self.run_uri}: no step {at_least} (world size {world_size}) within {timeout_s}s")
+
+    def recovery_after(self, lost_at: float) -> Optional[float]:
+        """Seconds from a node loss to the first step of the next worker group."""
+        firsts = [b["first_step_at"] for b in self.heartbeats() if b["started_at"] > lost_at and b.get("first_step_at")]
+        return round(min(firsts) - lost_at, 2) if firsts else None

@@ -1,0 +1,354 @@
+"""`eft status` and `eft report`: read one run's records and present them.
+
+A run's records (`<run>/config.yaml`, `metrics.jsonl`, `events/`, `heartbeats/`,
+`checkpoint-*/`, `summary.json`) are read with the same loaders the trainer uses, then turned
+into one status dict. That dict is shown as a table, as JSON, or as a Markdown page beside
+a PNG of the loss curves. Values a run did not record are None (shown as "-"), never estimated.
+"""
+
+from __future__ import annotations
+
+import calendar
+import io
+import math
+import time
+from typing import Optional
+
+import yaml
+
+from app.storage import Store, join
+from app.summary import SUMMARY_FILE, build_interruptions, load_summary
+from app.train import checkpoint as ckpt
+from app.train.metrics import format_duration, load_heartbeats, load_metrics
+
+CONFIG_FILE = "config.yaml"
+REPORT_DIR = "report"
+PLOT_FILE = "loss.png"
+MARKDOWN_FILE = "report.md"
+# Rank 0 writes its heartbeat at least once a second while it steps, and again after every
+# checkpoint save: two minutes of silence means the worker group is gone (or hung).
+STALE_HEARTBEAT_S = 120.0
+NO_VALIDATION_NOTE = "no validation split: train loss only"
+
+
+# -- load ---------------------------------------------------------------------------
+
+
+def load_run_config(store: Store, run_uri: str) -> Optional[dict]:
+    """The stored config as a plain tree, not a `JobConfig`: a run written by an older
+    version must still be readable after the schema has moved on."""
+    uri = join(run_uri, CONFIG_FILE)
+    if not store.exists(uri):
+        return None
+    try:
+        tree = yaml.safe_load(store.read_text(uri))
+    except yaml.YAMLError as err:
+        raise ValueError(f"{uri}: not valid YAML ({str(err).splitlines()[0]})") from None
+    return tree if isinstance(tree, dict) else {}
+
+
+def load_run(store: Store, run_uri: str) -> dict:
+    """Every record of the run at `run_uri`; ValueError if nothing there looks like a run."""
+    run_uri = run_uri.rstrip("/")
+    store.check_reachable(run_uri)
+    config = load_run_config(store, run_uri)
+    metrics = load_metrics(store, run_uri)
+    events = ckpt.load_events(store, run_uri)
+    if config is None and not metrics and not events:
+        raise ValueError(f"{run_uri}: no run here (no {CONFIG_FILE}, metrics.jsonl or events/)")
+    has_summary = store.exists(join(run_uri, SUMMARY_FILE))
+    return {
+        "uri": run_uri,
+        "config": config or {},
+        "metrics": metrics,
+        "events": events,
+        "heartbeats": load_heartbeats(store, run_uri),
+        "checkpoints": ckpt.list_checkpoints(store, run_uri),
+        "summary": load_summary(store, run_uri) if has_summary else None,
+    }
+
+
+# -- derive -------------------------------------------------------------------------
+
+
+def parse_utc(stamp: Optional[str]) -> Optional[float]:
+    if not stamp:
+        return None
+    try:
+        return float(calendar.timegm(time.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ")))
+    except ValueError:
+        return None
+
+
+def current_summary(run: dict) -> Optional[dict]:
+    """summary.json, unless a driver started after it was written: re-running `eft train`
+    with the same name resumes the run, and the old summary stays until the new driver ends."""
+    summary = run["summary"]
+    if not summary:
+        return None
+    finished = parse_utc(summary.get("finished_at"))
+    drivers = [e["time"] for e in run["events"] if e["kind"] == "driver_start"]
+    # finished_at is truncated to the second: only a driver start a full second later is newer.
+    if finished is not None and drivers and max(drivers) > finished + 1:
+        return None
+    return summary
+
+
+def newest_heartbeat(heartbeats: list[dict]) -> Optional[dict]:
+    stepped = [b for b in heartbeats if b.get("last_step_at")]
+    return max(stepped, key=lambda b: b["last_step_at"], default=None)
+
+
+def run_state(run: dict, now: Optional[float] = None) -> str:
+    summary = current_summary(run)
+    if summary:
+        return summary["status"]
+    beat = newest_heartbeat(run["heartbeats"])
+    if beat is None:
+        return "stopped (no heartbeat)" if run["metrics"] else "not started"
+    age = (time.time() if now is None else now) - beat["last_step_at"]
+    return "running" if age < STALE_HEARTBEAT_S else f"stopped (no heartbeat for {age:.0f} s)"
+
+
+def last_value(records: list[dict], key: str):
+    return next((r[key] for r in reversed(records) if r.get(key) is not None), None)
+
+
+def current_step(run: dict) -> int:
+    """Heartbeats first: metrics.jsonl is only rewritten at checkpoints, so it trails them."""
+    summary = current_summary(run)
+    if summary and summary.get("steps") is not None:
+        return int(summary["steps"])
+    beat = newest_heartbeat(run["heartbeats"])
+    if beat and beat.get("last_step") is not None:
+        return int(beat["last_step"])
+    return int(last_value(run["metrics"], "step") or 0)
+
+
+def total_steps(run: dict) -> Optional[int]:
+    configured = (run["config"].get("training") or {}).get("max_steps")
+    return configured or (run["summary"] or {}).get("target_steps")
+
+
+def build_val_ppl(metrics: list[dict]) -> Optional[float]:
+    record = next((r for r in reversed(metrics) if r.get("val_loss") is not None), None)
+    if record is None:
+        return None
+    if record.get("val_ppl") is not None:
+        return record["val_ppl"]
+    # exp overflows a float past ~709; a loss that large has no meaningful perplexity anyway.
+    return math.exp(record["val_loss"]) if record["val_loss"] < 700 else math.inf
+
+
+def estimate_eta(latest: dict, step: int) -> Optional[float]:
+    """The newest record's ETA, less the steps done since it at that record's pace (the record
+    can trail the heartbeat by up to a checkpoint interval)."""
+    if latest.get("eta_s") is None:
+        return None
+    behind = step - latest.get("step", step)
+    pace = latest.get("step_time_s") or 0.0
+    return max(latest["eta_s"] - max(behind, 0) * pace, 0.0)
+
+
+def build_world_size_timeline(events: list[dict]) -> list[dict]:
+    return [{"time": e["time"], "world_size": e["world_size"], "from_step": e.get("resumed_from_step") or 0}
+            for e in events if e["kind"] == "worker_group_start"]
+
+
+def build_status(run: dict, now: Optional[float] = None) -> dict:
+    """The status of a run as plain JSON-able values; None where the run recorded nothing."""
+    metrics, summary = run["metrics"], current_summary(run)
+    latest = metrics[-1] if metrics else {}
+    state = run_state(run, now)
+    step = current_step(run)
+    checkpoints = run["checkpoints"]
+    interruptions = build_interruptions(run["events"], run["heartbeats"])
+    return {
+        "uri": run["uri"],
+        "name": run["config"].get("name") or (run["summary"] or {}).get("name") or run["uri"].rsplit("/", 1)[-1],
+        "state": state,
+        "step": step,
+        "total_steps": total_steps(run),
+        "metrics_step": latest.get("step"),
+        "tokens_per_s": latest.get("tokens_per_s"),
+        "tokens_per_s_per_worker": latest.get("tokens_per_s_per_worker"),
+        "mfu": latest.get("mfu"),
+        "peak_mem_gb": latest.get("peak_mem_gb"),
+        "train_loss": last_value(metrics, "loss"),
+        "val_loss": last_value(metrics, "val_loss"),
+        "val_ppl": build_val_ppl(metrics),
+        "eta_s": estimate_eta(latest, step) if state == "running" else None,
+        "restarts": len(interruptions),
+        "interruptions": interruptions,
+        "preemption_notices": [e["step"] for e in run["events"] if e["kind"] == "preemption_notice"],
+        "world_size_timeline": build_world_size_timeline(run["events"]),
+        "checkpoints": len(checkpoints),
+        "latest_checkpoint": checkpoints[-1] if checkpoints else None,
+        "error": (summary or {}).get("error"),
+    }
+
+
+# -- present ------------------------------------------------------------------------
+
+
+def format_value(value, spec: str = "") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_interruption(item: dict) -> str:
+    notice = f", notice at step {item['step_at_notice']}" if item.get("step_at_notice") is not None else ""
+    return (f"{item['cause']} (world {item['world_size_before']}→{item['world_size_after']}, "
+            f"resumed from step {item['resumed_from_step']}{notice})")
+
+
+def format_tokens(status: dict) -> str:
+    text = format_value(status["tokens_per_s"], ",.0f")
+    per_worker = status["tokens_per_s_per_worker"]
+    return text if per_worker is None else f"{text} ({per_worker:,.0f} per worker)"
+
+
+def format_losses(status: dict) -> tuple[str, str]:
+    """(train, validation): each loss with the step it is from, and the validation perplexity."""
+    train = format_value(status["train_loss"], ".4f")
+    if status["train_loss"] is not None and status["metrics_step"] is not None:
+        train += f" (step {status['metrics_step']})"
+    val = format_value(status["val_loss"], ".4f")
+    if status["val_ppl"] is not None:
+        val += f" (perplexity {status['val_ppl']:.2f})"
+    return train, val
+
+
+def format_restarts(status: dict) -> str:
+    if not status["interruptions"]:
+        return "0"
+    return f"{status['restarts']}: " + "; ".join(map(format_interruption, status["interruptions"]))
+
+
+def format_timeline(status: dict) -> str:
+    return " → ".join(f"{w['world_size']} (from step {w['from_step']})" for w in status["world_size_timeline"]) or "-"
+
+
+def build_status_rows(status: dict) -> list[tuple[str, str]]:
+    """(label, text) pairs shared by the terminal table and the Markdown page."""
+    train, val = format_losses(status)
+    rows = [
+        ("state", status["state"]),
+        ("step", f"{status['step']} / {format_value(status['total_steps'])}"),
+        ("tokens/s", format_tokens(status)),
+        # Printed as recorded: whether a future writer logs MFU as a fraction or a percentage is its call.
+        ("MFU", format_value(status["mfu"], ".3g")),
+        ("peak memory", "-" if status["peak_mem_gb"] is None else f"{status['peak_mem_gb']:.1f} GB"),
+        ("train loss", train),
+        ("val loss", val),
+        ("ETA", "-" if status["eta_s"] is None else format_duration(status["eta_s"])),
+        ("restarts", format_restarts(status)),
+        ("pre-emption notices", ", ".join(f"step {s}" for s in status["preemption_notices"]) or "-"),
+        ("world size", format_timeline(status)),
+        ("latest checkpoint", format_value(status["latest_checkpoint"])),
+    ]
+    if status["error"]:
+        rows.append(("error", status["error"]))
+    return rows
+
+
+def render_status(status: dict):
+    """A rich Table of the status; the caller prints it."""
+    from rich.table import Table
+
+    table = Table(title=f"run {status['name']}", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    for label, text in [("uri", status["uri"]), *build_status_rows(status)]:
+        table.add_row(label, text)
+    return table
+
+
+def mark_step(ax, step: float, label: str, color: str, style: str, at_top: bool) -> None:
+    """A vertical line at `step`, labelled alongside it; notices sit low and restarts high,
+    so a JIT checkpoint's notice and the restart from it (same step) stay readable."""
+    ax.axvline(step, color=color, linestyle=style, linewidth=1.2)
+    ax.annotate(label, xy=(step, 0.98 if at_top else 0.02), xycoords=("data", "axes fraction"),
+                xytext=(-2, 0), textcoords="offset points", rotation=90, va="top" if at_top else "bottom",
+                ha="right", fontsize=8, color=color, bbox={"boxstyle": "round,pad=0.2", "fc": "white",
+                                                            "ec": "none", "alpha": 0.8})
+
+
+def build_loss_figure(run: dict, status: dict):
+    """Train (and validation) loss vs step, with pre-emption notices and restarts marked."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    # A bare Figure on the Agg canvas: no pyplot global state, no display needed.
+    fig = Figure(figsize=(10, 5), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    train = [(r["step"], r["loss"]) for r in run["metrics"] if r.get("loss") is not None]
+    val = [(r["step"], r["val_loss"]) for r in run["metrics"] if r.get("val_loss") is not None]
+    if train:
+        ax.plot(*zip(*train), label="train loss", color="tab:blue")
+    if val:
+        ax.plot(*zip(*val), label="validation loss", color="tab:orange", marker="o")
+    if not train:
+        ax.text(0.5, 0.5, "no metrics recorded yet", transform=ax.transAxes, ha="center", va="center")
+    for step in status["preemption_notices"]:
+        mark_step(ax, step, f"pre-emption notice at step {step}", "tab:red", ":", at_top=False)
+    for item in status["interruptions"]:
+        mark_step(ax, item["resumed_from_step"],
+                  f"restart: {item['cause']}, world {item['world_size_before']}→{item['world_size_after']}",
+                  "tab:purple", "--", at_top=True)
+    title = f"{status['name']}: loss vs step ({status['state']})"
+    ax.set_title(title if val else f"{title}\n{NO_VALIDATION_NOTE}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    if train:
+        ax.legend(loc="upper right")
+    fig.tight_layout()
+    return fig
+
+
+def render_png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+def escape_cell(text) -> str:
+    return "-" if text is None else str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def render_markdown_table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(escape_cell(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def render_markdown(status: dict, has_val: bool, plot_name: str = PLOT_FILE) -> str:
+    parts = [f"# Run `{status['name']}`", "", f"`{status['uri']}`", "",
+             render_markdown_table(["field", "value"], [list(r) for r in build_status_rows(status)]), "",
+             "## Interruptions", ""]
+    if status["interruptions"]:
+        header = ["#", "cause", "world", "step at notice", "last step before", "resumed from",
+                  "steps recomputed", "steps lost", "recovery (s)"]
+        rows = [[i, it["cause"], f"{it['world_size_before']}→{it['world_size_after']}", it["step_at_notice"],
+                 it["last_step_before"], it["resumed_from_step"], it["steps_recomputed"], it["steps_lost"],
+                 it["recovery_s"]] for i, it in enumerate(status["interruptions"], 1)]
+        parts.append(render_markdown_table(header, rows))
+    else:
+        parts.append("None: the worker group ran without a restart.")
+    parts += ["", "## Loss", ""]
+    if not has_val:
+        parts += [f"_{NO_VALIDATION_NOTE}._", ""]
+    parts.append(f"![loss curves]({plot_name})")
+    return "\n".join(parts) + "\n"
+
+
+def save_report(store: Store, run: dict, out_uri: Optional[str] = None, now: Optional[float] = None) -> list[str]:
+    """Write loss.png and report.md (to `<run>/report/` or `out_uri`); returns their URIs."""
+    out_uri = (out_uri or join(run["uri"], REPORT_DIR)).rstrip("/")
+    status = build_status(run, now)
+    has_val = any(r.get("val_loss") is not None for r in run["metrics"])
+    png_uri, md_uri = join(out_uri, PLOT_FILE), join(out_uri, MARKDOWN_FILE)
+    store.write_bytes(png_uri, render_png(build_loss_figure(run, status)))
+    store.write_text(md_uri, render_markdown(status, has_val))
+    return [png_uri, md_uri]

@@ -1,0 +1,105 @@
+"""notebooks/finetune.ipynb, executed top to bottom by a real Jupyter kernel against this
+session's S3 endpoint and Ray cluster, with small settings in its parameters cell."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import uuid
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from app.config import load_config
+from app.storage import Store, join
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOK = ROOT / "notebooks" / "finetune.ipynb"
+CONFIG = ROOT / "jobs" / "configs" / "tiny-cpu.yaml"
+STEPS = 6
+RANKS = [2, 4]
+
+
+def tagged(nb, tag: str):
+    (cell,) = [c for c in nb.cells if tag in c.metadata.get("tags", [])]
+    return cell
+
+
+def text_of(cell) -> str:
+    return "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
+
+
+def has_png(cell) -> bool:
+    return any("image/png" in o.get("data", {}) for o in cell.outputs)
+
+
+def test_committed_notebook_is_valid_and_has_no_outputs():
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    nbformat.validate(nb)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert code[0] is tagged(nb, "parameters")
+    assert all(c.outputs == [] and c.execution_count is None for c in code)
+
+
+@pytest.fixture(scope="module")
+def executed(s3, ray_cluster):
+    """The notebook run once: two LoRA ranks of STEPS steps, the first watched live. The kernel
+    joins this session's cluster the way a user's kernel joins `eft local up`'s."""
+    from nbclient import NotebookClient
+
+    prefix = f"nbtest-{uuid.uuid4().hex[:6]}"
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    # As papermill does: a cell right after the `parameters` cell overrides some of its defaults.
+    # SAVE_EVERY_STEPS puts a checkpoint mid-run, so the live view sees metrics.jsonl early.
+    injected = nbformat.v4.new_code_cell("\n".join([
+        f"CONFIG = {str(CONFIG)!r}",
+        f"MAX_STEPS = {STEPS}",
+        "SAVE_EVERY_STEPS = 3",
+        f"LORA_RANKS = {RANKS!r}",
+        f"RUN_PREFIX = {prefix!r}",
+        "POLL_S = 1.0",
+    ]), metadata={"tags": ["injected-parameters"]})
+    nb.cells.insert(nb.cells.index(tagged(nb, "parameters")) + 1, injected)
+    # The kernel gets the S3 endpoint and credentials the `s3` fixture put in os.environ.
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address, "RAY_AUTH_MODE": "token"}
+    client = NotebookClient(nb, timeout=300, kernel_name="python3",
+                            resources={"metadata": {"path": str(NOTEBOOK.parent)}})
+    client.execute(env=env)
+    return nb, prefix
+
+
+def test_notebook_trains_both_ranks_and_watches_the_first_live(executed):
+    nb, prefix = executed
+    store = Store()
+    for rank in RANKS:
+        cfg = load_config(CONFIG, [f"name={prefix}-r{rank}"])
+        summary = store.read_json(join(cfg.run_uri, "summary.json"))
+        assert summary["status"] == "succeeded" and summary["steps"] == STEPS, rank
+        assert f"r: {rank}" in store.read_text(join(cfg.run_uri, "config.yaml"))
+    watch = tagged(nb, "watch")
+    assert has_png(watch)
+    # The last frame is drawn after the run ended: the status reports the final step.
+    assert f"step {STEPS}/{STEPS}" in text_of(watch)
+
+
+def test_notebook_compares_the_ranks_on_one_figure(executed):
+    nb, _ = executed
+    compare = tagged(nb, "compare")
+    assert [o for o in compare.outputs if "image/png" in o.get("data", {})], compare.outputs
+
+
+def test_notebook_exports_the_adapter_and_generates(executed):
+    nb, prefix = executed
+    store = Store()
+    exported = [rank for rank in RANKS
+                if store.exists(join(load_config(CONFIG, [f"name={prefix}-r{rank}"]).run_uri, "export"))]
+    assert len(exported) == 1
+    printed = re.search(r"^adapter: (\S+)$", "".join(text_of(c) for c in nb.cells if c.cell_type == "code"),
+                        re.MULTILINE)
+    assert printed and f"{prefix}-r{exported[0]}/export/" in printed.group(1)
+    assert store.exists(join(printed.group(1), "adapter_config.json"))
+    assert store.exists(join(printed.group(1), "adapter_model.safetensors"))
+    sample = re.search(r"^sample: (.+)$", text_of(tagged(nb, "generate")), re.MULTILINE)
+    assert sample and ast.literal_eval(sample.group(1)).strip()
