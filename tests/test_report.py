@@ -255,7 +255,7 @@ def test_optional_metrics_are_shown_when_recorded(store, monkeypatch, capsys):
     monkeypatch.setenv("COLUMNS", "200")
     assert cli.main(["status", cfg.run_uri]) == 0
     text = capsys.readouterr().out
-    assert "0.412" in text and "12.5 GB" in text and "1,500 per worker" in text and "perplexity 123.00" in text
+    assert "41.2%" in text and "12.50 GB (GPU)" in text and "1,500 per worker" in text and "perplexity 123.00" in text
 
 
 def test_no_run_here_is_one_line_and_non_zero(s3):

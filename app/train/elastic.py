@@ -4,9 +4,11 @@ Ray Train V2's elastic policy sizes a (re)started worker group from the resource
 for it by Ray Data's AutoscalingCoordinator, and that actor refreshes its view of the
 cluster's nodes on a 20 s tick. After a node is lost, Train can therefore retry the old
 size, wait out `worker_group_start_timeout_s` for a worker that cannot be placed, and only
-then settle for fewer; a returning node likewise goes unseen for up to a tick. The watcher
-polls the GCS node table (cheap) and asks the coordinator to recompute when the set of live
-nodes changes, so recovery starts from the right size.
+then settle for fewer; a returning node likewise goes unseen for up to a tick. Two fixes:
+* a controller callback asks the coordinator to recompute right before Train acts on a
+  failure, so the restart is sized on the nodes alive now (shrinking after a loss);
+* a driver thread polls the GCS node table (cheap) and asks for a recompute when the set of
+  live nodes changes, so a returning node is seen at Train's next resize check (growing).
 """
 
 from __future__ import annotations
@@ -37,6 +39,21 @@ def refresh_autoscaling_view(timeout_s: float = 10.0) -> bool:
     except Exception as err:  # an internal of Ray's: never let it break a training run
         log.debug("could not refresh the autoscaling coordinator: %s", err)
         return False
+
+
+def build_refresh_callback():
+    """A Ray Train controller callback (a developer API of Ray Train V2), or None if this Ray
+    has no such hook."""
+    try:
+        from ray.train.v2._internal.execution.callback import ControllerCallback
+    except ImportError:
+        return None
+
+    class RefreshBeforeRestart(ControllerCallback):
+        def before_controller_execute_failure_decision(self, failure_decision) -> None:
+            refresh_autoscaling_view()
+
+    return RefreshBeforeRestart()
 
 
 class NodeWatcher:

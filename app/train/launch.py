@@ -15,7 +15,7 @@ from app.data.prepare import load_manifest
 from app.storage import Store, join
 from app.summary import build_summary, write_summary
 from app.train import checkpoint as ckpt
-from app.train.elastic import NodeWatcher
+from app.train.elastic import NodeWatcher, build_refresh_callback
 from app.train.sinks import mlflow_settings
 from app.train.model import ModelError
 
@@ -68,6 +68,7 @@ def build_trainer(cfg: JobConfig, store: Store, train_fn=None):
                  **s.resources_per_worker}
     num_workers = s.min_workers if s.min_workers == s.max_workers else (s.min_workers, s.max_workers)
     fs, root = store.resolve(cfg.storage.root_uri)
+    refresh = build_refresh_callback() if s.min_workers < s.max_workers else None
     return TorchTrainer(
         train_fn or train_loop_per_worker,
         train_loop_config={"cfg": cfg.model_dump(mode="json"), "mlflow": mlflow_settings()},
@@ -79,6 +80,7 @@ def build_trainer(cfg: JobConfig, store: Store, train_fn=None):
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.num_to_keep),
             failure_config=FailureConfig(max_failures=cfg.fault_tolerance.max_failures,
                                          max_preemption_failures=cfg.fault_tolerance.max_preemption_failures),
+            callbacks=[refresh] if refresh else None,
         ),
     )
 
