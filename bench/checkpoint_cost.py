@@ -18,7 +18,7 @@ run is not in any record and is not counted.
 Restore time: measured directly. The worker loop runs unchanged, except that
 `app.train.checkpoint.restore` is wrapped with a timer (download of the rank's checkpoint files
 from S3 + `dcp.load` + set_model/optimizer_state_dict) that writes its duration to the run's
-storage. A resume of each round's async run (+2 steps) exercises it. Timing restore() itself
+storage. A resume of the first round's async run (+2 steps, from its final checkpoint) exercises it. Timing restore() itself
 is chosen over "time to first step on resume minus a fresh start" because Ray Train's
 worker-group start varies by seconds between runs on this box, which would swamp it.
 """
@@ -36,35 +36,47 @@ from bench import _setup as S  # noqa: E402
 from bench.common import markdown_table, save_result  # noqa: E402
 
 
-def timed_restore_loop(config: dict) -> None:
-    """The eft worker loop, with ckpt.restore timed (written to <run>/bench/restore-r<rank>.json)."""
+def instrumented_loop(config: dict) -> None:
+    """The eft worker loop, unchanged but for timers around ckpt.restore and around the three
+    parts of a save (the local DCP write, rank 0's metrics flush, ray.train.report); each rank
+    writes them to <run>/bench/r<rank>.json at the end."""
     import time as _time
 
     import ray.train
+    import torch.distributed.checkpoint as dcp
 
     from app.config import JobConfig
     from app.storage import Store, join
     from app.train import checkpoint as ckpt
     from app.train.loop import train_loop_per_worker
+    from app.train.metrics import MetricsLog
 
-    original = ckpt.restore
     cfg = JobConfig.model_validate(config["cfg"])
+    rank = ray.train.get_context().get_world_rank()
+    times: dict[str, list] = {"restore_s": [], "dcp_save_s": [], "metrics_flush_s": [], "report_s": []}
+    originals = [(ckpt, "restore"), (dcp, "save"), (ray.train, "report"), (MetricsLog, "flush")]
+    saved = [getattr(obj, attr) for obj, attr in originals]
 
-    def timed(checkpoint, *args, **kwargs):
-        began = _time.perf_counter()
-        out = original(checkpoint, *args, **kwargs)
-        took = _time.perf_counter() - began
-        if checkpoint is not None:
-            rank = ray.train.get_context().get_world_rank()
-            Store.from_config(cfg.storage).write_json(join(cfg.run_uri, "bench", f"restore-r{rank}.json"),
-                                                      {"restore_s": took, "step": out.step})
-        return out
+    def timer(fn, key, skip=lambda *a, **k: False):
+        def wrapped(*args, **kwargs):
+            began = _time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if not skip(*args, **kwargs):
+                    times[key].append(_time.perf_counter() - began)
+        return wrapped
 
-    ckpt.restore = timed
+    ckpt.restore = timer(saved[0], "restore_s", skip=lambda checkpoint, *a, **k: checkpoint is None)
+    dcp.save = timer(saved[1], "dcp_save_s")
+    ray.train.report = timer(saved[2], "report_s")
+    MetricsLog.flush = timer(saved[3], "metrics_flush_s", skip=lambda self: not self.enabled)
     try:
         train_loop_per_worker(config)
     finally:
-        ckpt.restore = original
+        for (obj, attr), fn in zip(originals, saved):
+            setattr(obj, attr, fn)
+        Store.from_config(cfg.storage).write_json(join(cfg.run_uri, "bench", f"r{rank}.json"), times)
 
 
 def blocked_per_save(metrics: list[dict], save_every: int) -> list[float]:
@@ -73,14 +85,34 @@ def blocked_per_save(metrics: list[dict], save_every: int) -> list[float]:
             if m["step"] > 1 and (m["step"] - 1) % save_every == 0 and m.get("checkpoint_blocked_s") is not None]
 
 
+def read_phases(store, run_uri: str) -> list[dict]:
+    from app.storage import join
+
+    root = join(run_uri, "bench")
+    return [store.read_json(join(root, f)) for f in sorted(store.list_files(root))]
+
+
+def save_breakdown(phases: list[dict], logged_saves: int) -> dict:
+    """Per logged save (the final save is in no metrics record): the slower rank's DCP write and
+    report, and rank 0's metrics flush."""
+    out = {}
+    for key in ("dcp_save_s", "report_s"):
+        per_save = [max(p[key][i] for p in phases) for i in range(logged_saves)]
+        out[key] = S.median(per_save)
+    flushes = [x for p in phases for x in p["metrics_flush_s"]][:logged_saves]
+    out["metrics_flush_s"] = S.median(flushes)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=13)
+    parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--save-every", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--resumes", type=int, default=1, help="rounds whose async run is resumed to time restore")
     args = parser.parse_args()
 
-    from app.storage import Store, join
+    from app.storage import Store
     from app.train.launch import run_training
 
     load_before = S.load_average()
@@ -103,64 +135,70 @@ def main() -> None:
                             "checkpoint": {**base["checkpoint"], "async_upload": mode == "async"}}
                     cfg = S.build_job(tree)
                     print(f"round {r + 1}/{args.rounds}: {mode} upload ...", flush=True)
-                    summary = run_training(cfg, store, train_fn=timed_restore_loop)
+                    summary = run_training(cfg, store, train_fn=instrumented_loop)
                     metrics = S.run_records(store, cfg.run_uri)["metrics"]
                     blocked = blocked_per_save(metrics, args.save_every)
-                    latest = summary["latest_checkpoint"]
-                    size = sum(store.list_file_sizes(latest).values())
-                    runs[mode].append({"name": cfg.name, "blocked_s": blocked, "checkpoint_bytes": size,
-                                       "steady_step_s": S.steady([m for m in metrics
-                                                                  if m["checkpoint_blocked_s"] == 0], "step_time_s"),
+                    size = sum(store.list_file_sizes(summary["latest_checkpoint"]).values())
+                    parts = save_breakdown(read_phases(store, cfg.run_uri), len(blocked))
+                    runs[mode].append({"name": cfg.name, "blocked_s": blocked, "checkpoint_bytes": size, **parts,
+                                       "steady_step_s": S.steady([m for m in metrics if not m["checkpoint_blocked_s"]],
+                                                                 "step_time_s"),
                                        "wall_s": summary["wall_s"]})
-                    print(f"  blocked per save: {[round(b, 3) for b in blocked]} s; checkpoint {size / 1e6:.1f} MB",
-                          flush=True)
-                # Resume this round's async run from its final checkpoint, with restore() timed.
-                name = runs["async"][-1]["name"]
-                tree = {**base, "name": name, "training": {**base["training"], "max_steps": args.steps + 2}}
-                cfg = S.build_job(tree)
-                print(f"round {r + 1}/{args.rounds}: resume {name} ...", flush=True)
-                run_training(cfg, store, train_fn=timed_restore_loop)
-                ranks = [store.read_json(join(cfg.run_uri, "bench", f)) for f in store.list_files(join(cfg.run_uri, "bench"))]
-                restores.append({"name": name, "restore_s": [x["restore_s"] for x in ranks],
-                                 "from_step": ranks[0]["step"] if ranks else None})
-                print(f"  restore: {[round(x['restore_s'], 3) for x in ranks]} s", flush=True)
+                    print(f"  blocked per save: {[round(b, 3) for b in blocked]} s; checkpoint {size / 1e6:.1f} MB; "
+                          f"median parts: {({k: round(v, 3) for k, v in parts.items()})}", flush=True)
+                if r < args.resumes:
+                    # Resume this round's async run from its final checkpoint, with restore() timed.
+                    name = runs["async"][-1]["name"]
+                    cfg = S.build_job({**base, "name": name,
+                                       "training": {**base["training"], "max_steps": args.steps + 2}})
+                    print(f"round {r + 1}/{args.rounds}: resume {name} ...", flush=True)
+                    run_training(cfg, store, train_fn=instrumented_loop)
+                    per_rank = [x for p in read_phases(store, cfg.run_uri) for x in p["restore_s"]]
+                    restores.append({"name": name, "from_step": args.steps, "restore_s": per_rank})
+                    print(f"  restore per rank: {[round(x, 3) for x in per_rank]} s", flush=True)
         finally:
             S.stop_ray()
     load_after = S.load_average()
 
-    med_async = S.median(b for run in runs["async"] for b in run["blocked_s"])
-    med_sync = S.median(b for run in runs["sync"] for b in run["blocked_s"])
+    def all_blocked(mode):
+        return [b for run in runs[mode] for b in run["blocked_s"]]
+
+    med = {mode: S.median(all_blocked(mode)) for mode in runs}
     per_round = [S.median(a["blocked_s"]) / S.median(s["blocked_s"]) for a, s in zip(runs["async"], runs["sync"])]
     ratio = S.median(per_round)
     restore_s = S.median(x for r in restores for x in r["restore_s"])  # per rank
-    restore_max = S.median(max(r["restore_s"]) for r in restores)  # the slower rank gates the first step
+    restore_max = S.median(max(r["restore_s"]) for r in restores) if restores else None  # gates the first step
     size_mb = S.median(run["checkpoint_bytes"] for run in runs["async"] + runs["sync"]) / 1e6
     step_s = S.median(run["steady_step_s"] for run in runs["async"] + runs["sync"])
+    part = {mode: {k: S.median(run[k] for run in runs[mode]) for k in ("dcp_save_s", "metrics_flush_s", "report_s")}
+            for mode in runs}
     met = ratio <= 0.20
-    rows = [[mode, len([b for run in runs[mode] for b in run["blocked_s"]]),
-             S.fmt(S.median(b for run in runs[mode] for b in run["blocked_s"]), 3),
-             " / ".join(S.fmt(b, 3) for run in runs[mode] for b in run["blocked_s"])] for mode in ("async", "sync")]
+    rows = [[mode, len(all_blocked(mode)), S.fmt(med[mode], 3), S.fmt(part[mode]["dcp_save_s"], 3),
+             S.fmt(part[mode]["metrics_flush_s"], 3), S.fmt(part[mode]["report_s"], 3),
+             " / ".join(S.fmt(b, 3) for b in all_blocked(mode))] for mode in ("async", "sync")]
     table = "\n\n".join([
         f"Full fine-tune of the bench model (hidden 256, 4 layers), 2 CPU workers (FSDP2), a checkpoint of "
-        f"**{size_mb:.1f} MB** (weights + AdamW moments, both ranks) every {args.save_every} steps to the local S3 "
-        f"endpoint; {args.rounds} rounds, async and sync interleaved. Steady step time without a save: "
+        f"**{size_mb:.1f} MB** (fp32 weights + AdamW moments, both ranks) every {args.save_every} steps to the local "
+        f"S3 endpoint; {args.rounds} rounds, async and sync interleaved. Steady step time without a save: "
         f"{S.fmt(step_s, 3)} s.",
-        markdown_table(["upload", "saves", "median blocked s per save", "each save (blocked s)"], rows),
+        markdown_table(["upload", "saves", "blocked s per save (median)", "of which DCP write to local disk",
+                        "metrics flush (rank 0)", "ray.train.report", "each save (blocked s)"], rows),
         f"**Blocked with async upload / synchronous save: {ratio:.3f}** (median of per-round ratios "
         + ", ".join(f"{p:.3f}" for p in per_round) + f"; target ≤ 0.20: {'met' if met else 'NOT met'}). "
-        f"Medians over all saves: async {S.fmt(med_async, 3)} s, sync {S.fmt(med_sync, 3)} s.",
-        f"**Restore** (download from S3 + DCP load + set state dicts; timed inside the worker): median "
-        f"{S.fmt(restore_s, 3)} s per rank, {S.fmt(restore_max, 3)} s for the slower rank; per resume: "
-        + "; ".join(f"from step {r['from_step']}: " + ", ".join(S.fmt(x, 3) for x in r["restore_s"]) for r in restores)
-        + ".",
+        "The parts are medians of the slower rank per save (timed inside the workers); with async upload "
+        "ray.train.report no longer uploads, and what stays blocking is the local DCP write and the flush.",
+        f"**Restore** (download of the rank's files from S3 + DCP load + set state dicts, timed inside the worker): "
+        f"median {S.fmt(restore_s, 3)} s per rank, {S.fmt(restore_max, 3)} s for the slower rank ("
+        + "; ".join(f"{r['name']} from step {r['from_step']}: " + ", ".join(S.fmt(x, 3) for x in r["restore_s"])
+                    for r in restores) + ").",
         S.load_note(load_before, load_after),
     ])
     save_result("checkpoint_cost", {
-        "config": base, "rounds": args.rounds, "checkpoint_mb": size_mb, "blocked_s": {"async": med_async, "sync": med_sync},
-        "ratio_async_over_sync": ratio, "per_round_ratios": per_round, "target": {"ratio <=": 0.20, "met": met},
-        "restore_s_per_rank": restore_s, "restore_s_slower_rank": restore_max, "restores": restores, "runs": runs,
-        "steady_step_s": step_s, "load_average": {"before": load_before, "after": load_after},
-        "bench_wall_s": time.time() - wall0}, table)
+        "config": base, "rounds": args.rounds, "checkpoint_mb": size_mb, "blocked_s_median": med,
+        "blocked_parts_median": part, "ratio_async_over_sync": ratio, "per_round_ratios": per_round,
+        "target": {"ratio <=": 0.20, "met": met}, "restore_s_per_rank": restore_s,
+        "restore_s_slower_rank": restore_max, "restores": restores, "runs": runs, "steady_step_s": step_s,
+        "load_average": {"before": load_before, "after": load_after}, "bench_wall_s": time.time() - wall0}, table)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ Ray Train + FSDP2, 2 CPU workers) vs the same model, global batch and rows in a 
 loop (bench/bare_loop.py), once as one process and once under `torchrun --nproc_per_node 2`
 (FSDP2, gloo). Target: eft ≥ 0.90 of the torchrun loop at steady state.
 
-    .venv/bin/python bench/overhead.py [--steps 30] [--rounds 2]
+    .venv/bin/python bench/overhead.py [--steps 20] [--rounds 2] [--full]
 
 Every variant is a fresh process (`eft train CONFIG` through the CLI, as a user runs it, with
 its own local Ray), run in turn (eft, torchrun, bare, eft, torchrun, bare, ...) so that load
@@ -14,8 +14,8 @@ worker's CPU count (cpus_per_worker = 1, so 1 intra-op thread per train worker; 
 workers report torch.get_num_threads() == 1); here it is pinned to 1 explicitly for eft and for
 torchrun's 2 processes, and the single process gets torch.set_num_threads(2).
 
-Steady state: median tokens/s (global batch x seq_len / step wall time) over the second half
-of the steps; for eft from metrics.jsonl (log_every_steps = 1), for the bare loops from their
+Steady state: global batch x seq_len / the median step wall time over the second half of the
+steps; for eft from metrics.jsonl (log_every_steps = 1), for the bare loops from their
 per-step timings. Time to first step: process start to the end of step 1 (eft: the rank-0
 heartbeat's first_step_at; the bare loop: its own clock), on the same wall clock.
 """
@@ -48,8 +48,9 @@ def run_eft(store, tree: dict, work: Path, name: str) -> dict:
     beat = rec["heartbeats"][0]
     kinds = {e["kind"]: e["time"] for e in rec["events"]}
     step_times = [m["step_time_s"] for m in metrics]
-    return {"steady_tokens_per_s": S.steady(metrics, "tokens_per_s"),
-            "steady_step_s": S.median(S.second_half(step_times)),
+    steady_step = S.median(S.second_half(step_times))
+    tokens = tree["training"]["global_batch_size"] * tree["data"]["seq_len"]
+    return {"steady_tokens_per_s": tokens / steady_step, "steady_step_s": steady_step,
             "data_wait_s": S.steady(metrics, "data_wait_s"),
             "time_to_first_step_s": beat["first_step_at"] - started,
             "to_driver_start_s": kinds["driver_start"] - started,
@@ -76,7 +77,7 @@ def run_bare(args, tree: dict, model_dir: Path, data_dir: Path, work: Path, name
     tokens = out["global_batch"] * out["seq_len"]
     step_times = [s["step_time_s"] for s in out["steps"]]
     steady_step = S.median(S.second_half(step_times))
-    return {"steady_tokens_per_s": S.median(tokens / s for s in S.second_half(step_times)),
+    return {"steady_tokens_per_s": tokens / steady_step,
             "steady_step_s": steady_step, "data_wait_s": None,
             "time_to_first_step_s": out["first_step_end"] - started,
             "to_first_import_done_s": out["process_start"] - started,
@@ -87,7 +88,7 @@ def run_bare(args, tree: dict, model_dir: Path, data_dir: Path, work: Path, name
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=2, help="times each variant runs, interleaved")
     parser.add_argument("--full", action="store_true", help="full fine-tune instead of LoRA")
     args = parser.parse_args()

@@ -168,8 +168,8 @@ MUTATIONS = {
     "no drain timeout": (f"{WORKER}.containers.0.env.0.name", "OTHER",
                          "spec.workerGroupSpecs[0].template.spec.containers[0].env",
                          "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S must be set"),
-    "replicas off the config": ("spec.workerGroupSpecs.0.maxReplicas", 4, "spec.workerGroupSpecs[0].maxReplicas",
-                                "does not match scaling.max_workers (16)"),
+    "replicas off the config": ("spec.workerGroupSpecs.0.maxReplicas", 3, "spec.workerGroupSpecs[0].maxReplicas",
+                                "does not match scaling.max_workers (32)"),
 }
 
 

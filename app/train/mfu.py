@@ -35,7 +35,8 @@ def flops_per_token(n_params: int, n_trainable: int, n_layers: int, hidden: int,
 def model_flops_per_token(model, seq_len: int, lora: bool, n_params: int, n_trainable: int) -> float:
     """From a Hugging Face causal LM's config. N excludes the input embedding, a lookup, unless
     it is tied to the output head, which is a matmul."""
-    config = getattr(model, "config", None) or model.get_base_model().config
+    inner = getattr(model, "module", model)  # DDP wraps; FSDP2 and PEFT expose the HF config
+    config = getattr(inner, "config", None) or inner.get_base_model().config
     embed = 0 if getattr(config, "tie_word_embeddings", False) else config.vocab_size * config.hidden_size
     return flops_per_token(n_params - embed, n_trainable, config.num_hidden_layers, config.hidden_size, seq_len, lora)
 

@@ -43,7 +43,7 @@ def run_scenario(cluster: chaos.LocalCluster, out_path: str, base_uri: str, data
         "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                            "up_proj", "down_proj"]},
         "data": {"uri": data_uri, "seq_len": 64},
-        "training": {"max_steps": int(os.environ.get("SPOT_STEPS", "150")), "global_batch_size": 12,
+        "training": {"max_steps": int(os.environ.get("SPOT_STEPS", "100")), "global_batch_size": 12,
                      "micro_batch_size": 2, "lr": 3e-3, "schedule": "constant", "trace_rows": True},
         "checkpoint": {"save_every_steps": 10},
         "scaling": {"min_workers": 2, "max_workers": 3, "cpus_per_worker": 1,

@@ -1,0 +1,210 @@
+"""Data prepare throughput: `eft prepare` tokens/s vs Hugging Face `datasets` (`load_dataset("json")`
++ `map(batched=True, num_proc=2)`) with the same fast tokenizer on the same corpus and cores,
+and vs the raw tokenizer batch-encode rate on 2 processes (the limit). Target: eft ≥ 1.0× datasets.
+
+    .venv/bin/python bench/prepare_throughput.py [--repeat 40] [--rounds 2] [--files 1,4]
+
+The corpus is the pydoc corpus repeated `--repeat` times (40: ~30k documents, ~11.6 MB of
+JSONL, ~5M tokens), written once as 1 JSONL file and once split into 4 (`--files`): Ray Data
+parallelizes prepare across input files (one read + parse + tokenize task per file), while
+`datasets` shards by rows, so the layout matters. Everything is on local disk (input, tokenizer,
+output), so the comparison is about the pipelines, not about S3. `eft prepare` runs on a
+running local Ray cluster (as after `eft local up`) with its default 2 tokenizer actors;
+`datasets.map` gets num_proc=2; TOKENIZERS_PARALLELISM=false everywhere, so each process
+or actor encodes on one thread.
+
+Work done: eft reads, tokenizes, packs into seq_len rows and writes Parquet shards + manifest;
+datasets reads JSON into Arrow and writes the tokenized Arrow cache (a fresh cache dir per run,
+so nothing is reused). Rates are the corpus's body tokens (one count, the same for every
+variant) over the wall time of the call. Variants run interleaved (raw, then eft and datasets per
+layout, per round); the table gives medians and per-round ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import _setup as S  # noqa: E402
+from bench.common import markdown_table, save_result  # noqa: E402
+
+BATCH = 256  # eft's prepare.tokenize_batch_size default, used for datasets.map and the raw loop too
+
+
+def encode_all(tokenizer, texts: list[str]) -> int:
+    from app.data.packing import encode_texts
+
+    n = 0
+    for i in range(0, len(texts), BATCH):
+        n += sum(len(x) for x in encode_texts(tokenizer, texts[i:i + BATCH]))
+    return n
+
+
+def _raw_worker(tokenizer_dir: str, texts_path: str, barrier, out) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    texts = json.loads(Path(texts_path).read_text())
+    encode_all(tokenizer, texts[:200])  # warm
+    barrier.wait()
+    began = time.perf_counter()
+    n = encode_all(tokenizer, texts)
+    out.put((n, time.perf_counter() - began))
+
+
+def raw_rate(tokenizer_dir: Path, texts: list[str], work: Path, procs: int = 2) -> dict:
+    """`procs` processes, each batch-encoding half of the corpus at once: tokens / slowest time."""
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(procs), ctx.Queue()
+    paths = []
+    for i in range(procs):
+        paths.append(work / f"raw-part-{i}.json")
+        paths[-1].write_text(json.dumps(texts[i::procs]))
+    workers = [ctx.Process(target=_raw_worker, args=(str(tokenizer_dir), str(p), barrier, out)) for p in paths]
+    for w in workers:
+        w.start()
+    results = [out.get(timeout=600) for _ in workers]
+    for w in workers:
+        w.join()
+    tokens, slowest = sum(r[0] for r in results), max(r[1] for r in results)
+    return {"tokens": tokens, "wall_s": slowest, "tokens_per_s": tokens / slowest}
+
+
+def run_eft(tree: dict, store, work: Path, name: str, input_path: Path, body_tokens: int) -> dict:
+    from app.data.prepare import prepare_dataset
+
+    cfg = S.build_job({**tree, "name": name, "data": {**tree["data"], "uri": str(work / "out" / name)},
+                       "prepare": {**tree["prepare"], "input_uri": str(input_path)}})
+    began = time.perf_counter()
+    manifest = prepare_dataset(cfg, store)
+    wall = time.perf_counter() - began
+    return {"wall_s": wall, "tokens_per_s": body_tokens / wall, "manifest_tokens_per_s": manifest["stats"]["tokens_per_s"],
+            "train_rows": manifest["splits"]["train"]["rows"]}
+
+
+def run_datasets(files: list[Path], tokenizer, work: Path, name: str, body_tokens: int) -> dict:
+    import datasets
+
+    from app.data.packing import encode_texts
+
+    def tokenize(batch):
+        return {"input_ids": encode_texts(tokenizer, batch["text"])}
+
+    cache = work / "hf-cache" / name
+    began = time.perf_counter()
+    ds = datasets.load_dataset("json", data_files=[str(f) for f in files], split="train", cache_dir=str(cache))
+    loaded = time.perf_counter()
+    out = ds.map(tokenize, batched=True, batch_size=BATCH, num_proc=2, remove_columns=ds.column_names)
+    wall = time.perf_counter() - began
+    assert len(out) == len(ds)
+    return {"wall_s": wall, "load_s": loaded - began, "map_s": wall - (loaded - began),
+            "tokens_per_s": body_tokens / wall, "map_tokens_per_s": body_tokens / (wall - (loaded - began))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=40, help="copies of the pydoc corpus")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--files", default="1,4", help="input layouts: number of JSONL files, comma-separated")
+    args = parser.parse_args()
+    layouts = [int(x) for x in args.files.split(",")]
+
+    import datasets
+    from transformers import AutoTokenizer
+
+    from app.storage import Store
+    from app.tiny import build_corpus, save_tiny_base, write_jsonl
+
+    datasets.disable_progress_bars()
+    load_before = S.load_average()
+    wall0 = time.time()
+    texts = S.bench_texts(args.repeat)
+    with tempfile.TemporaryDirectory(prefix="eft-bench-prepare-") as tmp:
+        work = Path(tmp)
+        store = Store()
+        tokenizer_dir = work / "model"
+        save_tiny_base(store, str(tokenizer_dir), texts=build_corpus(), **S.BENCH_MODEL)
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        inputs = {}
+        for n in layouts:
+            size = -(-len(texts) // n)
+            inputs[n] = [write_jsonl(({"text": t} for t in texts[i * size:(i + 1) * size]),
+                                     work / "raw" / f"{n}-files" / f"part-{i:03d}.jsonl") for i in range(n)]
+        corpus_mb = sum(f.stat().st_size for f in inputs[layouts[0]]) / 1e6
+        began = time.perf_counter()
+        body_tokens = encode_all(tokenizer, texts)
+        one_core = {"tokens_per_s": body_tokens / (time.perf_counter() - began)}
+        tree = S.job_tree("prep", model={"uri": str(tokenizer_dir)}, storage={"root_uri": str(work / "runs")})
+        S.start_ray()
+        runs: dict[str, list[dict]] = {"raw": []}
+        try:
+            for r in range(args.rounds):
+                print(f"round {r + 1}/{args.rounds}: raw tokenizer, 2 processes ...", flush=True)
+                runs["raw"].append(raw_rate(tokenizer_dir, texts, work))
+                for n in layouts:
+                    src = inputs[n][0] if n == 1 else inputs[n][0].parent
+                    for variant in ("eft", "datasets"):
+                        key, name = f"{variant}/{n}", f"{variant}-{n}-{r}"
+                        print(f"round {r + 1}/{args.rounds}: {variant}, {n} file(s) ...", flush=True)
+                        res = (run_eft(tree, store, work, name, src, body_tokens) if variant == "eft"
+                               else run_datasets(inputs[n], tokenizer, work, name, body_tokens))
+                        print(f"  {res['tokens_per_s']:,.0f} tokens/s ({res['wall_s']:.1f} s)", flush=True)
+                        runs.setdefault(key, []).append(res)
+        finally:
+            S.stop_ray()
+    load_after = S.load_average()
+
+    rate = {k: S.median(x["tokens_per_s"] for x in v) for k, v in runs.items()}
+    wall = {k: S.median(x["wall_s"] for x in v) for k, v in runs.items()}
+    ratios = {}
+    for n in layouts:
+        per_round = [e["tokens_per_s"] / d["tokens_per_s"] for e, d in zip(runs[f"eft/{n}"], runs[f"datasets/{n}"])]
+        ratios[n] = {"eft/datasets": S.median(per_round), "per_round": per_round,
+                     "eft/raw": S.median(e["tokens_per_s"] / w["tokens_per_s"] for e, w in zip(runs[f"eft/{n}"], runs["raw"])),
+                     "datasets/raw": S.median(d["tokens_per_s"] / w["tokens_per_s"]
+                                              for d, w in zip(runs[f"datasets/{n}"], runs["raw"]))}
+    rows = [["raw tokenizer batch-encode, 2 processes (limit)", "—", S.fmt(rate["raw"]), S.fmt(wall["raw"], 1), "1.00",
+             "—"]]
+    for n in layouts:
+        for variant in ("eft", "datasets"):
+            key = f"{variant}/{n}"
+            vs_raw = ratios[n][f"{variant}/raw"]
+            vs_ds = f"**{ratios[n]['eft/datasets']:.2f}**" if variant == "eft" else "1.00"
+            label = ("`eft prepare` (2 tokenizer actors)" if variant == "eft"
+                     else "`datasets` load_dataset + map(batched, num_proc=2)")
+            rows.append([label, n, S.fmt(rate[key]), S.fmt(wall[key], 1), f"{vs_raw:.2f}", vs_ds])
+    met = {n: ratios[n]["eft/datasets"] >= 1.0 for n in layouts}
+    ds_parts = {n: (S.median(x["load_s"] for x in runs[f"datasets/{n}"]), S.median(x["map_s"] for x in runs[f"datasets/{n}"]))
+                for n in layouts}
+    table = "\n\n".join([
+        f"Corpus: the pydoc corpus x {args.repeat} = {len(texts):,} documents, {corpus_mb:.1f} MB of JSONL, "
+        f"{body_tokens:,} tokens (BPE, vocab 512); seq_len {tree['data']['seq_len']}; {args.rounds} rounds, interleaved. "
+        f"One process on one core encodes {S.fmt(one_core['tokens_per_s'])} tokens/s.",
+        markdown_table(["pipeline", "input files", "tokens/s (median)", "wall s", "× raw limit", "× datasets"], rows),
+        "eft / datasets: " + "; ".join(
+            f"{n} file(s) **{ratios[n]['eft/datasets']:.2f}** (per round "
+            + ", ".join(f"{p:.2f}" for p in ratios[n]["per_round"]) + f"; target ≥ 1.0: {'met' if met[n] else 'NOT met'})"
+            for n in layouts) + ".",
+        "datasets' wall split into load_dataset (JSON → Arrow) / map: " + "; ".join(
+            f"{n} file(s) {S.fmt(a, 1)} s / {S.fmt(b, 1)} s" for n, (a, b) in ds_parts.items()) + ".",
+        S.load_note(load_before, load_after),
+    ])
+    save_result("prepare_throughput", {
+        "repeat": args.repeat, "documents": len(texts), "corpus_mb": corpus_mb, "body_tokens": body_tokens,
+        "rounds": args.rounds, "one_core_tokens_per_s": one_core["tokens_per_s"], "median_tokens_per_s": rate,
+        "median_wall_s": wall, "ratios": ratios, "target": {"eft/datasets >=": 1.0, "met": met}, "runs": runs,
+        "load_average": {"before": load_before, "after": load_after}, "bench_wall_s": time.time() - wall0}, table)
+
+
+if __name__ == "__main__":
+    main()
