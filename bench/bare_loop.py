@@ -142,6 +142,7 @@ def main(argv=None) -> None:
     for step in range(args.steps):
         rows = rows_of_step(step)
         inputs, labels = all_inputs[rows], all_labels[rows]
+        began_compute = time.perf_counter()
         global_tokens = all_reduce(torch.tensor(float((labels[:, 1:] != IGNORE).sum()), dtype=torch.float64))
         scale = world / global_tokens.clamp(min=1)
         loss_acc = torch.zeros((), dtype=torch.float64)
@@ -155,15 +156,18 @@ def main(argv=None) -> None:
                                    ignore_index=IGNORE, reduction="sum")
             (loss * scale).backward()
             loss_acc += loss.detach().double()
+        began_optimizer = time.perf_counter()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        ended_optimizer = time.perf_counter()
         # One host sync per step, as eft has with log_every_steps=1.
         train_loss = float(all_reduce(loss_acc) / global_tokens.clamp(min=1))
         now = time.perf_counter()
         if first_step_end is None:
             first_step_end = time.time()
         records.append({"step": step + 1, "loss": train_loss, "step_time_s": now - mark,
+                        "compute_s": began_optimizer - began_compute, "optimizer_s": ended_optimizer - began_optimizer,
                         "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor")
                                            else grad_norm)})
         mark = now

@@ -19,7 +19,7 @@ def describe_machine() -> dict:
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__, "gpu": gpu}
+            "torch": torch.__version__, "gpu": gpu, "load_avg_1_5_15": [round(x, 1) for x in os.getloadavg()]}
 
 
 def save_result(name: str, data: dict, table: str) -> Path:
@@ -32,7 +32,7 @@ def save_result(name: str, data: dict, table: str) -> Path:
     machine = record["machine"]
     md = (f"# {name}\n\n{table.strip()}\n\nCommand: `{command}`  \n"
           f"Machine: {machine['cpus']} CPUs, {machine['gpu'] or 'no GPU'}, torch {machine['torch']}, "
-          f"{machine['platform']}  \nWhen: {record['when']}\n")
+          f"{machine['platform']}, load average {machine['load_avg_1_5_15']} at the end  \nWhen: {record['when']}\n")
     (RESULTS / f"{name}.md").write_text(md)
     print(md)
     return RESULTS / f"{name}.md"

@@ -1,5 +1,5 @@
 """notebooks/finetune.ipynb, executed top to bottom by a real Jupyter kernel against this
-session's S3 endpoint and Ray cluster, with small settings in its parameters cell."""
+session's S3 endpoint and Ray cluster, with small settings injected after its parameters cell."""
 
 from __future__ import annotations
 
@@ -59,7 +59,6 @@ def executed(s3, ray_cluster):
         "SAVE_EVERY_STEPS = 3",
         f"LORA_RANKS = {RANKS!r}",
         f"RUN_PREFIX = {prefix!r}",
-        "POLL_S = 1.0",
     ]), metadata={"tags": ["injected-parameters"]})
     nb.cells.insert(nb.cells.index(tagged(nb, "parameters")) + 1, injected)
     # The kernel gets the S3 endpoint and credentials the `s3` fixture put in os.environ.
