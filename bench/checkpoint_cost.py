@@ -2,12 +2,14 @@
 vs a synchronous save of the same state, and the time to restore it. Target: blocked time with
 async upload ≤ 20% of the synchronous save.
 
-    .venv/bin/python bench/checkpoint_cost.py [--steps 13] [--save-every 3] [--rounds 2]
+    .venv/bin/python bench/checkpoint_cost.py [--steps 10] [--save-every 3] [--rounds 2]
 
 A full fine-tune (`lora: null`) of the bench model (3.6M parameters: ~14 MB of fp32 weights
 + ~29 MB of AdamW moments per checkpoint, split over 2 FSDP2 ranks), 2 CPU workers,
-checkpointing every `--save-every` steps to the local S3 endpoint. Runs alternate async, sync,
-async, sync, ... in one Ray session (interleaved, so load drift hits both).
+checkpointing every `--save-every` steps to the local S3 endpoint. Two runs, one with async
+upload and one without, take turns in one Ray session: round 1 trains each `--steps` steps,
+every later round resumes each run from its last checkpoint for `--steps` more (interleaved
+async, sync, async, sync, ... so load drift hits both).
 
 Blocked time: `checkpoint_blocked_s` of metrics.jsonl is the total time the loop spent in its
 checkpoint phase since the previous log line (DCP save to local disk, metrics flush, and
@@ -18,8 +20,8 @@ run is not in any record and is not counted.
 Restore time: measured directly. The worker loop runs unchanged, except that
 `app.train.checkpoint.restore` is wrapped with a timer (download of the rank's checkpoint files
 from S3 + `dcp.load` + set_model/optimizer_state_dict) that writes its duration to the run's
-storage. A resume of the first round's async run (+2 steps, from its final checkpoint) exercises it. Timing restore() itself
-is chosen over "time to first step on resume minus a fresh start" because Ray Train's
+storage; every resumed round exercises it (both runs, both ranks). Timing restore() itself is
+chosen over "time to first step on resume minus a fresh start" because Ray Train's
 worker-group start varies by seconds between runs on this box, which would swamp it.
 """
 
@@ -106,10 +108,9 @@ def save_breakdown(phases: list[dict], logged_saves: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=10, help="steps per run and round")
     parser.add_argument("--save-every", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--resumes", type=int, default=1, help="rounds whose async run is resumed to time restore")
+    parser.add_argument("--rounds", type=int, default=2, help="round 1 starts both runs, later rounds resume them")
     args = parser.parse_args()
 
     from app.storage import Store
@@ -131,31 +132,29 @@ def main() -> None:
             S.prepare(S.build_job(base), store)
             for r in range(args.rounds):
                 for mode in ("async", "sync"):
-                    tree = {**base, "name": f"ckpt-{mode}-{tag}-{r}",
+                    tree = {**base, "name": f"ckpt-{mode}-{tag}",
+                            "training": {**base["training"], "max_steps": args.steps * (r + 1)},
                             "checkpoint": {**base["checkpoint"], "async_upload": mode == "async"}}
                     cfg = S.build_job(tree)
-                    print(f"round {r + 1}/{args.rounds}: {mode} upload ...", flush=True)
+                    print(f"round {r + 1}/{args.rounds}: {mode} upload, steps {args.steps * r + 1}.."
+                          f"{args.steps * (r + 1)} ...", flush=True)
                     summary = run_training(cfg, store, train_fn=instrumented_loop)
-                    metrics = S.run_records(store, cfg.run_uri)["metrics"]
+                    metrics = [m for m in S.run_records(store, cfg.run_uri)["metrics"] if m["step"] > args.steps * r]
                     blocked = blocked_per_save(metrics, args.save_every)
                     size = sum(store.list_file_sizes(summary["latest_checkpoint"]).values())
-                    parts = save_breakdown(read_phases(store, cfg.run_uri), len(blocked))
-                    runs[mode].append({"name": cfg.name, "blocked_s": blocked, "checkpoint_bytes": size, **parts,
-                                       "steady_step_s": S.steady([m for m in metrics if not m["checkpoint_blocked_s"]],
-                                                                 "step_time_s"),
+                    phases = read_phases(store, cfg.run_uri)
+                    parts = save_breakdown(phases, len(blocked))
+                    runs[mode].append({"name": cfg.name, "round": r + 1, "blocked_s": blocked, "checkpoint_bytes": size,
+                                       **parts, "steady_step_s": S.steady([m for m in metrics
+                                                                           if not m["checkpoint_blocked_s"]],
+                                                                          "step_time_s"),
                                        "wall_s": summary["wall_s"]})
                     print(f"  blocked per save: {[round(b, 3) for b in blocked]} s; checkpoint {size / 1e6:.1f} MB; "
                           f"median parts: {({k: round(v, 3) for k, v in parts.items()})}", flush=True)
-                if r < args.resumes:
-                    # Resume this round's async run from its final checkpoint, with restore() timed.
-                    name = runs["async"][-1]["name"]
-                    cfg = S.build_job({**base, "name": name,
-                                       "training": {**base["training"], "max_steps": args.steps + 2}})
-                    print(f"round {r + 1}/{args.rounds}: resume {name} ...", flush=True)
-                    run_training(cfg, store, train_fn=instrumented_loop)
-                    per_rank = [x for p in read_phases(store, cfg.run_uri) for x in p["restore_s"]]
-                    restores.append({"name": name, "from_step": args.steps, "restore_s": per_rank})
-                    print(f"  restore per rank: {[round(x, 3) for x in per_rank]} s", flush=True)
+                    if r:
+                        per_rank = [x for p in phases for x in p["restore_s"]]
+                        restores.append({"name": cfg.name, "from_step": args.steps * r, "restore_s": per_rank})
+                        print(f"  restore per rank: {[round(x, 3) for x in per_rank]} s", flush=True)
         finally:
             S.stop_ray()
     load_after = S.load_average()

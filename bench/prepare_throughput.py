@@ -17,7 +17,9 @@ Work done: eft reads, tokenizes, packs into seq_len rows and writes Parquet shar
 datasets reads JSON into Arrow and writes the tokenized Arrow cache (a fresh cache dir per run,
 so nothing is reused). Rates are the corpus's body tokens (one count, the same for every
 variant) over the wall time of the call. Variants run interleaved (raw, then eft and datasets per
-layout, per round); the table gives medians and per-round ratios.
+layout, per round); the table gives medians and per-round ratios. Each round also prepares one
+copy of the corpus with both, to split each pipeline's wall time into a fixed start-up cost and a
+marginal rate.
 """
 
 from __future__ import annotations
@@ -141,6 +143,10 @@ def main() -> None:
             inputs[n] = [write_jsonl(({"text": t} for t in texts[i * size:(i + 1) * size]),
                                      work / "raw" / f"{n}-files" / f"part-{i:03d}.jsonl") for i in range(n)]
         corpus_mb = sum(f.stat().st_size for f in inputs[layouts[0]]) / 1e6
+        # One copy of the corpus in one file: its wall time is mostly each pipeline's fixed start-up cost.
+        small_texts = S.bench_texts(1)
+        small_input = [write_jsonl(({"text": t} for t in small_texts), work / "raw" / "small" / "part-000.jsonl")]
+        small_tokens = encode_all(tokenizer, small_texts)
         began = time.perf_counter()
         body_tokens = encode_all(tokenizer, texts)
         one_core = {"tokens_per_s": body_tokens / (time.perf_counter() - began)}
@@ -160,6 +166,12 @@ def main() -> None:
                                else run_datasets(inputs[n], tokenizer, work, name, body_tokens))
                         print(f"  {res['tokens_per_s']:,.0f} tokens/s ({res['wall_s']:.1f} s)", flush=True)
                         runs.setdefault(key, []).append(res)
+                for variant in ("eft", "datasets"):
+                    print(f"round {r + 1}/{args.rounds}: {variant}, 1 copy of the corpus (start-up cost) ...", flush=True)
+                    res = (run_eft(tree, store, work, f"{variant}-small-{r}", small_input[0], small_tokens)
+                           if variant == "eft" else run_datasets(small_input, tokenizer, work, f"ds-small-{r}", small_tokens))
+                    print(f"  {res['wall_s']:.1f} s", flush=True)
+                    runs.setdefault(f"{variant}/small", []).append(res)
         finally:
             S.stop_ray()
     load_after = S.load_average()
@@ -184,6 +196,10 @@ def main() -> None:
                      else "`datasets` load_dataset + map(batched, num_proc=2)")
             rows.append([label, n, S.fmt(rate[key]), S.fmt(wall[key], 1), f"{vs_raw:.2f}", vs_ds])
     met = {n: ratios[n]["eft/datasets"] >= 1.0 for n in layouts}
+    # Marginal rate on one file: the extra tokens of the big corpus over the extra wall time.
+    big = 1 if 1 in layouts else layouts[0]
+    marginal = {v: (body_tokens - small_tokens) / max(wall[f"{v}/{big}"] - wall[f"{v}/small"], 1e-9)
+                for v in ("eft", "datasets")}
     ds_parts = {n: (S.median(x["load_s"] for x in runs[f"datasets/{n}"]), S.median(x["map_s"] for x in runs[f"datasets/{n}"]))
                 for n in layouts}
     table = "\n\n".join([
@@ -195,13 +211,18 @@ def main() -> None:
             f"{n} file(s) **{ratios[n]['eft/datasets']:.2f}** (per round "
             + ", ".join(f"{p:.2f}" for p in ratios[n]["per_round"]) + f"; target ≥ 1.0: {'met' if met[n] else 'NOT met'})"
             for n in layouts) + ".",
+        f"Start-up vs throughput (one file): on one copy of the corpus ({small_tokens:,} tokens) `eft prepare` takes "
+        f"{S.fmt(wall['eft/small'], 1)} s and datasets {S.fmt(wall['datasets/small'], 1)} s; the marginal rate from "
+        f"there to the {args.repeat}-copy corpus is eft {S.fmt(marginal['eft'])} tokens/s vs datasets "
+        f"{S.fmt(marginal['datasets'])} tokens/s (**{marginal['eft'] / marginal['datasets']:.2f}×**).",
         "datasets' wall split into load_dataset (JSON → Arrow) / map: " + "; ".join(
             f"{n} file(s) {S.fmt(a, 1)} s / {S.fmt(b, 1)} s" for n, (a, b) in ds_parts.items()) + ".",
         S.load_note(load_before, load_after),
     ])
     save_result("prepare_throughput", {
         "repeat": args.repeat, "documents": len(texts), "corpus_mb": corpus_mb, "body_tokens": body_tokens,
-        "rounds": args.rounds, "one_core_tokens_per_s": one_core["tokens_per_s"], "median_tokens_per_s": rate,
+        "rounds": args.rounds, "one_core_tokens_per_s": one_core["tokens_per_s"], "small_tokens": small_tokens,
+        "startup_wall_s": {"eft": wall["eft/small"], "datasets": wall["datasets/small"]}, "marginal_tokens_per_s": marginal, "median_tokens_per_s": rate,
         "median_wall_s": wall, "ratios": ratios, "target": {"eft/datasets >=": 1.0, "met": met}, "runs": runs,
         "load_average": {"before": load_before, "after": load_after}, "bench_wall_s": time.time() - wall0}, table)
 
