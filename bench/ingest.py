@@ -123,13 +123,15 @@ def main() -> None:
     median_gap = S.median(p["median_gap_s"] for probe in streams for p in probe)
     gap_at = sorted({p["max_gap_before_batch"] for probe in streams for p in probe})
     per_epoch = streams[0][0]["steps_per_epoch"]
+    shard_rows = tree["prepare"]["rows_per_shard"]
     train_rate = S.median(tr["steps_per_s"] for tr in trains)
     per_round = [min(p["batches_per_s"] for p in probe) / tr["steps_per_s"] for probe, tr in zip(streams, trains)]
     headroom = S.median(per_round)
     wait_all = S.median(tr["wait_fraction_all"] for tr in trains)
     wait_after = S.median(tr["wait_fraction_after_step1"] for tr in trains)
     met = wait_all <= 0.02
-    rows = [[r + 1, f"{min(p['batches_per_s'] for p in probe):.1f}", f"{tr['steps_per_s']:.2f}", f"{per_round[r]:.0f}×",
+    rows = [[r + 1, f"{min(p['batches_per_s'] for p in probe):.1f}", f"{tr['steps_per_s']:.2f}",
+             f"{per_round[r]:.0f}×",
              f"{tr['wait_fraction_all']:.2%}", f"{tr['wait_fraction_after_step1']:.2%}",
              f"{tr['wait_fraction_median']:.3%}", f"{tr['max_wait_s']:.3f}", f"{tr['epochs']:.2f}"]
             for r, (probe, tr) in enumerate(zip(streams, trains))]
@@ -137,8 +139,8 @@ def main() -> None:
     table = "\n\n".join([
         f"Dataset: {manifest['splits']['train']['rows']} train rows of {tree['data']['seq_len']} tokens in shards of "
         f"{tree['prepare']['rows_per_shard']} rows on the local S3 endpoint; global batch {t['global_batch_size']} = "
-        f"2 workers x micro {t['micro_batch_size']} x accum 2; LoRA bench model; {args.rounds} rounds, stream probe and "
-        f"training alternating.",
+        f"2 workers x micro {t['micro_batch_size']} x accum 2; LoRA bench model; {args.rounds} rounds, stream probe "
+        f"and training alternating.",
         markdown_table(["round", "stream alone: step batches/s (slower rank)", "trainer: steps/s", "headroom",
                         "data wait / step time (all steps)", "(steps 2+)", "(median step)", "longest wait s",
                         "epochs trained"], rows),
@@ -146,16 +148,19 @@ def main() -> None:
         f"({S.fmt(stream_rate, 1)} vs {S.fmt(train_rate, 2)} per second, medians). **Data wait: {wait_all:.2%} of step "
         f"time over all steps** ({wait_after:.2%} after step 1; target ≤ 2%: {'met' if met else 'NOT met'}). "
         f"The stream alone takes {S.fmt(first_batch, 1)} s to its first batch (slower rank; in the loop this overlaps "
-        f"building the model); between step batches it takes {S.fmt(median_gap, 3)} s (median) and at most "
-        f"{S.fmt(max_gap, 2)} s (median over rounds of the slower rank; the longest gaps came before step batch "
-        f"{', '.join(map(str, gap_at))}, with an epoch, and a new Ray Data read, every {per_epoch:.1f} step batches "
-        f"per rank). The loop's 2-step prefetch thread hides such gaps: see the longest wait above.",
+        f"building the model); between step batches it takes {S.fmt(median_gap, 3)} s (median: most come out of a "
+        f"block already read) and at most {S.fmt(max_gap, 2)} s (median over rounds of the slower rank). The longest "
+        f"gaps came before step batches {', '.join(map(str, gap_at))}: a shard of "
+        f"{shard_rows} rows is {shard_rows // t['global_batch_size']} step batches per rank "
+        f"and an epoch, which starts a new Ray Data read, {per_epoch:.1f}. The loop's 2-step prefetch thread hides "
+        f"these gaps (see the longest wait in training above).",
         S.load_note(load_before, load_after),
     ])
     save_result("ingest", {
         "config": tree, "rounds": args.rounds, "stream_batches_per_s": stream_rate, "trainer_steps_per_s": train_rate,
         "headroom": headroom, "per_round_headroom": per_round, "wait_fraction_all_steps": wait_all,
-        "wait_fraction_after_step1": wait_after, "stream_first_batch_s": first_batch, "stream_max_gap_s": max_gap, "stream_median_gap_s": median_gap,
+        "wait_fraction_after_step1": wait_after, "stream_first_batch_s": first_batch,
+        "stream_max_gap_s": max_gap, "stream_median_gap_s": median_gap,
         "target": {"data wait fraction <=": 0.02, "met": met}, "streams": streams, "trains": trains,
         "load_average": {"before": load_before, "after": load_after}, "bench_wall_s": time.time() - wall0}, table)
 

@@ -5,9 +5,12 @@ loop (bench/bare_loop.py), once as one process and once under `torchrun --nproc_
 
     .venv/bin/python bench/overhead.py [--steps 20] [--rounds 2] [--full]
 
-Every variant is a fresh process (`eft train CONFIG` through the CLI, as a user runs it, with
-its own local Ray), run in turn (eft, torchrun, bare, eft, torchrun, bare, ...) so that load
-drift hits all of them; the table gives the median over rounds and the per-round ratios.
+Every variant is a fresh process, run in turn (eft, torchrun, bare, eft, torchrun, bare, ...)
+so that load drift hits all of them; the table gives the median over rounds and the per-round
+ratios. eft runs as `eft train CONFIG` through the CLI with RAY_ADDRESS unset, so it starts
+(and stops) its own local Ray: no Ray process is up while the baselines run, and eft's time to
+first step includes starting Ray (the table splits it by phase). The local S3 endpoint is up
+throughout; the baselines read the same prepared shards and model dir from local copies.
 
 Threads: 2 cores, 2 threads in total for every variant. Ray sets OMP_NUM_THREADS to a
 worker's CPU count (cpus_per_worker = 1, so 1 intra-op thread per train worker; checked: the
@@ -15,9 +18,10 @@ workers report torch.get_num_threads() == 1); here it is pinned to 1 explicitly 
 torchrun's 2 processes, and the single process gets torch.set_num_threads(2).
 
 Steady state: global batch x seq_len / the median step wall time over the second half of the
-steps; for eft from metrics.jsonl (log_every_steps = 1), for the bare loops from their
-per-step timings. Time to first step: process start to the end of step 1 (eft: the rank-0
-heartbeat's first_step_at; the bare loop: its own clock), on the same wall clock.
+steps; for eft from metrics.jsonl's step_time_s (log_every_steps = 1; its tokens_per_s is the
+same quotient per step), for the bare loops from their per-step timings. Time to first step:
+process start to the end of step 1 (eft: the rank-0 heartbeat's first_step_at; the bare loop:
+its own clock), on the same wall clock.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ def run_eft(store, tree: dict, work: Path, name: str) -> dict:
     tokens = tree["training"]["global_batch_size"] * tree["data"]["seq_len"]
     return {"steady_tokens_per_s": tokens / steady_step, "steady_step_s": steady_step,
             "data_wait_s": S.steady(metrics, "data_wait_s"), "compute_s": S.steady(metrics, "compute_s"),
-            "optimizer_s": S.steady(metrics, "optimizer_s"),
+            "optimizer_s": S.steady(metrics, "optimizer_s"), "rest_s": steady_rest(metrics),
             "time_to_first_step_s": beat["first_step_at"] - started,
             "to_driver_start_s": kinds["driver_start"] - started,
             "to_worker_group_start_s": kinds["worker_group_start"] - started,
@@ -60,7 +64,12 @@ def run_eft(store, tree: dict, work: Path, name: str) -> dict:
             "step_times_s": step_times}
 
 
-def run_bare(args, tree: dict, model_dir: Path, data_dir: Path, work: Path, name: str, world: int) -> dict:
+def steady_rest(steps: list[dict]) -> float:
+    """Median over the second half of each step's time outside fwd+bwd and the optimizer."""
+    return S.median(s["step_time_s"] - s["compute_s"] - s["optimizer_s"] for s in S.second_half(steps))
+
+
+def run_bare(tree: dict, model_dir: Path, data_dir: Path, work: Path, name: str, world: int) -> dict:
     t = tree["training"]
     loop = [str(Path(__file__).resolve().parent / "bare_loop.py"), "--model-dir", str(model_dir), "--data-dir",
             str(data_dir), "--steps", str(t["max_steps"]), "--global-batch", str(t["global_batch_size"]),
@@ -78,12 +87,11 @@ def run_bare(args, tree: dict, model_dir: Path, data_dir: Path, work: Path, name
     tokens = out["global_batch"] * out["seq_len"]
     step_times = [s["step_time_s"] for s in out["steps"]]
     steady_step = S.median(S.second_half(step_times))
-    return {"steady_tokens_per_s": tokens / steady_step,
-            "steady_step_s": steady_step, "data_wait_s": None,
+    return {"steady_tokens_per_s": tokens / steady_step, "steady_step_s": steady_step, "data_wait_s": None,
             "compute_s": S.median(s["compute_s"] for s in S.second_half(out["steps"])),
             "optimizer_s": S.median(s["optimizer_s"] for s in S.second_half(out["steps"])),
-            "time_to_first_step_s": out["first_step_end"] - started,
-            "to_first_import_done_s": out["process_start"] - started,
+            "rest_s": steady_rest(out["steps"]), "time_to_first_step_s": out["first_step_end"] - started,
+            "interpreter_start_s": out["process_start"] - started,
             "loss_step1": out["steps"][0]["loss"], "loss_last": out["steps"][-1]["loss"], "process_s": took,
             "torch_threads": out["torch_threads"], "step_times_s": step_times,
             "params": [out["trainable_params"], out["total_params"]]}
@@ -118,16 +126,16 @@ def main() -> None:
                 if v == "eft":
                     res = run_eft(store, tree, work, name)
                 else:
-                    res = run_bare(args, tree, model_dir, data_dir, work, name, world=2 if v == "torchrun" else 1)
+                    res = run_bare(tree, model_dir, data_dir, work, name, world=2 if v == "torchrun" else 1)
                 print(f"  {v}: {res['steady_tokens_per_s']:,.0f} tok/s, first step after "
                       f"{res['time_to_first_step_s']:.1f}s, loss {res['loss_step1']:.4f} → {res['loss_last']:.4f}",
                       flush=True)
                 runs[v].append(res)
     load_after = S.load_average()
 
-    med = {v: {k: S.median(r[k] for r in runs[v]) for k in ("steady_tokens_per_s", "steady_step_s", "compute_s",
-                                                             "optimizer_s", "time_to_first_step_s", "loss_step1")}
-           for v in VARIANTS}
+    keys = ("steady_tokens_per_s", "steady_step_s", "compute_s", "optimizer_s", "rest_s", "time_to_first_step_s",
+            "loss_step1")
+    med = {v: {k: S.median(r[k] for r in runs[v]) for k in keys} for v in VARIANTS}
     per_round = [{"eft/torchrun": runs["eft"][i]["steady_tokens_per_s"] / runs["torchrun"][i]["steady_tokens_per_s"],
                   "eft/bare": runs["eft"][i]["steady_tokens_per_s"] / runs["bare"][i]["steady_tokens_per_s"],
                   "torchrun/bare": runs["torchrun"][i]["steady_tokens_per_s"] / runs["bare"][i]["steady_tokens_per_s"]}
@@ -136,9 +144,9 @@ def main() -> None:
     target_met = ratio["eft/torchrun"] >= 0.90
     t = tree["training"]
     vs_torchrun = {"eft": ratio["eft/torchrun"], "torchrun": 1.0, "bare": 1 / ratio["torchrun/bare"]}
-    rows = [[v, S.fmt(med[v]["steady_tokens_per_s"]), S.fmt(med[v]["steady_step_s"], 3), S.fmt(med[v]["compute_s"], 3),
-             S.fmt(med[v]["optimizer_s"], 3), S.fmt(med[v]["steady_step_s"] - med[v]["compute_s"] - med[v]["optimizer_s"], 3),
-             f"{vs_torchrun[v]:.3f}", S.fmt(med[v]["time_to_first_step_s"], 1), f"{med[v]['loss_step1']:.5f}"]
+    rows = [[v, S.fmt(med[v]["steady_tokens_per_s"])]
+            + [S.fmt(med[v][k], 3) for k in ("steady_step_s", "compute_s", "optimizer_s", "rest_s")]
+            + [f"{vs_torchrun[v]:.3f}", S.fmt(med[v]["time_to_first_step_s"], 1), f"{med[v]['loss_step1']:.5f}"]
             for v in VARIANTS]
     eft_phases = runs["eft"]
     table = "\n\n".join([
@@ -150,9 +158,9 @@ def main() -> None:
         markdown_table(["variant", "steady tokens/s", "step s", "fwd+bwd s", "optimizer s", "rest of step s",
                         "× torchrun (per-round median)", "time to first step s", "loss at step 1"], rows),
         "Step times are medians over the second half of the steps (and over rounds); fwd+bwd and optimizer are "
-        "timed the same way in eft (StepTimer, rank 0) and in the bare loop (rank 0); the rest of the step is "
-        "everything else (eft: waiting for data, the loss all-reduce and metrics record, heartbeat, pre-emption "
-        "check; bare: the loss all-reduce).",
+        "timed the same way in eft (StepTimer, rank 0) and in the bare loop (rank 0); the rest of the step (median "
+        "per step) is everything else (eft: waiting for data, the loss all-reduce and metrics record, the rank-0 "
+        "heartbeat write, the pre-emption check; bare: the loss all-reduce).",
         f"**eft / torchrun at steady state: {ratio['eft/torchrun']:.3f}** (target ≥ 0.90: "
         f"{'met' if target_met else 'NOT met'}); eft / single process: {ratio['eft/bare']:.3f}; "
         f"torchrun / single process: {ratio['torchrun/bare']:.3f}. Per round (eft/torchrun): "
