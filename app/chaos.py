@@ -32,6 +32,14 @@ def configure_fast_failure_detection() -> None:
 
 
 @dataclass
+def elastic_scaling(min_workers: int = 2, max_workers: int = 3) -> dict:
+    """The `scaling` section for a run on a cluster from `start_cluster`: one worker per node
+    (its slot), and resize checks and start timeouts short enough for a rehearsal."""
+    return {"min_workers": min_workers, "max_workers": max_workers, "cpus_per_worker": 1,
+            "resources_per_worker": {SLOT: 1}, "elastic_resize_monitor_interval_s": 3,
+            "worker_group_start_timeout_s": 5}
+
+
 class LocalCluster:
     cluster: object
     nodes: list

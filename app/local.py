@@ -7,6 +7,7 @@ other module talks to it through boto3 / pyarrow exactly as to AWS.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -16,7 +17,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 # The emulator accepts any key pair; these are not secrets, and real runs never see them.
 LOCAL_S3_ENV = {
@@ -79,6 +80,30 @@ def start_s3_server(port: Optional[int] = None, bucket: str = DEFAULT_BUCKET,
     wait_for_port(port, proc=proc)
     create_bucket(endpoint, bucket)
     return S3Server(proc, endpoint)
+
+
+def point_env_at(endpoint: str) -> None:
+    """This process's env, and so every child's, sends boto3 and pyarrow to `endpoint`."""
+    os.environ.update(LOCAL_S3_ENV)
+    os.environ["AWS_ENDPOINT_URL"] = endpoint
+
+
+@contextlib.contextmanager
+def serve_s3(bucket: str = DEFAULT_BUCKET) -> Iterator[S3Server]:
+    """The S3 endpoint on a free port for the life of the block, with the env pointed at it;
+    the env is put back as it was afterwards."""
+    saved = {k: os.environ.get(k) for k in [*LOCAL_S3_ENV, "AWS_ENDPOINT_URL"]}
+    server = start_s3_server(bucket=bucket)
+    point_env_at(server.endpoint)
+    try:
+        yield server
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def create_bucket(endpoint: str, bucket: str) -> None:

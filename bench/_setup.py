@@ -46,21 +46,10 @@ def local_s3() -> Iterator[str]:
     points boto3/pyarrow at it. Yields the endpoint."""
     from app import local
 
-    saved = {k: os.environ.get(k) for k in [*local.LOCAL_S3_ENV, "AWS_ENDPOINT_URL"]}
-    server = local.start_s3_server()
-    os.environ.update(local.LOCAL_S3_ENV)
-    os.environ["AWS_ENDPOINT_URL"] = server.endpoint
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
+    with local.serve_s3() as server:
         yield server.endpoint
-    finally:
-        server.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def start_ray(num_cpus: int = 8) -> None:

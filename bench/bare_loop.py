@@ -11,6 +11,10 @@ Single process: `python bench/bare_loop.py ...`. Under `torchrun --nproc_per_nod
 > 1) it initializes gloo and applies FSDP2 `fully_shard` per decoder layer and at the root,
 like app/train/model.py, and each rank takes its G/N rows of every step.
 
+`--device cuda` runs it on a GPU the way eft resolves precision there: a LoRA base in bf16, full
+fine-tuning with fp32 weights, bf16 autocast for the forward (single process), or FSDP2 with
+bf16 compute / fp32 reduction and nccl (under torchrun).
+
 Rank 0 writes per-step timings (and the wall-clock time of the end of step 1) to --out.
 """
 
@@ -43,6 +47,7 @@ def parse_args(argv=None):
     p.add_argument("--lora", default=None, help="LoRA config as JSON (r, alpha, dropout, target_modules); "
                                                  "omit for a full fine-tune")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: as the env sets it)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--out", required=True, help="rank 0 writes its per-step timings here (JSON)")
     return p.parse_args(argv)
 
@@ -84,8 +89,12 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
+    on_gpu = args.device == "cuda"
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        torch.cuda.set_device(device)
     if world > 1:
-        dist.init_process_group("gloo")
+        dist.init_process_group("nccl" if on_gpu else "gloo")
 
     data_dir = Path(args.data_dir)
     manifest = json.loads((data_dir / "manifest.json").read_text())
@@ -107,7 +116,9 @@ def main(argv=None) -> None:
         ids = np.concatenate(out)
         return ids[rank * g // world:(rank + 1) * g // world]
 
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
+    # As eft on a GPU: a frozen LoRA base can live in bf16, trainable full-FT weights stay fp32.
+    storage_dtype = torch.bfloat16 if on_gpu and args.lora else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=storage_dtype).to(device)
     if args.lora:
         from peft import LoraConfig, get_peft_model
 
@@ -120,7 +131,9 @@ def main(argv=None) -> None:
     if world > 1:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mp = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=None)  # fp32 on CPU, as eft resolves it
+        # As eft resolves it: fp32 on CPU, bf16 compute with fp32 reduction on a GPU.
+        mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if on_gpu
+              else MixedPrecisionPolicy(param_dtype=None, reduce_dtype=None))
         for block in decoder_blocks(model):
             fully_shard(block, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
@@ -143,15 +156,20 @@ def main(argv=None) -> None:
         rows = rows_of_step(step)
         inputs, labels = all_inputs[rows], all_labels[rows]
         began_compute = time.perf_counter()
-        global_tokens = all_reduce(torch.tensor(float((labels[:, 1:] != IGNORE).sum()), dtype=torch.float64))
+        global_tokens = all_reduce(torch.tensor(float((labels[:, 1:] != IGNORE).sum()), dtype=torch.float64,
+                                                device=device))
         scale = world / global_tokens.clamp(min=1)
-        loss_acc = torch.zeros((), dtype=torch.float64)
+        loss_acc = torch.zeros((), dtype=torch.float64, device=device)
         for i in range(accum):
-            x = torch.as_tensor(inputs[i * args.micro_batch:(i + 1) * args.micro_batch], dtype=torch.long)
-            y = torch.as_tensor(labels[i * args.micro_batch:(i + 1) * args.micro_batch], dtype=torch.long)
+            x = torch.as_tensor(inputs[i * args.micro_batch:(i + 1) * args.micro_batch], dtype=torch.long,
+                                device=device)
+            y = torch.as_tensor(labels[i * args.micro_batch:(i + 1) * args.micro_batch], dtype=torch.long,
+                                device=device)
             if world > 1:
                 model.set_requires_gradient_sync(i == accum - 1)
-            logits = model(input_ids=x, use_cache=False).logits
+            # Single process on a GPU: autocast gives the bf16 compute that FSDP2's policy gives under torchrun.
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_gpu and world == 1):
+                logits = model(input_ids=x, use_cache=False).logits
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), y[:, 1:].flatten(),
                                    ignore_index=IGNORE, reduction="sum")
             (loss * scale).backward()

@@ -10,7 +10,6 @@ each node loss to the first step after it; saves them to bench/results/elastic_r
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 import threading
@@ -38,9 +37,7 @@ def build_job(name: str, steps: int, base: str, data: str):
         "training": {"max_steps": steps, "global_batch_size": 12, "micro_batch_size": 2, "lr": 3e-3,
                      "schedule": "constant"},
         "checkpoint": {"save_every_steps": 20},
-        "scaling": {"min_workers": 2, "max_workers": 3, "cpus_per_worker": 1,
-                    "resources_per_worker": {chaos.SLOT: 1}, "elastic_resize_monitor_interval_s": 3,
-                    "worker_group_start_timeout_s": 5},
+        "scaling": chaos.elastic_scaling(min_workers=2, max_workers=3),
         "fault_tolerance": {"max_failures": 3},
         "storage": {"root_uri": "s3://eft/bench-runs"},
     })
@@ -97,19 +94,16 @@ def main() -> None:
 
     from app.train.launch import run_training
 
-    s3 = local.start_s3_server()
-    os.environ.update(local.LOCAL_S3_ENV)
-    os.environ["AWS_ENDPOINT_URL"] = s3.endpoint
-    cluster = chaos.start_cluster(worker_nodes=3)
-    try:
-        base = build_job("base", args.steps, "s3://eft/models/bench-tiny", "s3://eft/data/bench")
-        prepare_inputs(base)
-        plain = run_training(base.model_copy(update={"name": "uninterrupted"}))
-        hit = run_interrupted(cluster, base.model_copy(update={"name": "interrupted"}), args.notice_s)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-        s3.stop()
+    with local.serve_s3():
+        cluster = chaos.start_cluster(worker_nodes=3)
+        try:
+            base = build_job("base", args.steps, "s3://eft/models/bench-tiny", "s3://eft/data/bench")
+            prepare_inputs(base)
+            plain = run_training(base.model_copy(update={"name": "uninterrupted"}))
+            hit = run_interrupted(cluster, base.model_copy(update={"name": "interrupted"}), args.notice_s)
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
 
     rows = [[i["cause"], f"{i['world_size_before']}→{i['world_size_after']}", i["step_at_notice"],
              i["resumed_from_step"], i["steps_lost"], i["steps_recomputed"], i["recovery_s"]]

@@ -1,104 +1,183 @@
 """GPU check: a short LoRA and a short full fine-tune of a ~1B-parameter random-init Llama
-(bf16, FSDP2, one GPU) through the same train loop as every run, on the embedded local stack.
-Prints tokens/s, MFU and peak memory and saves them to bench/results/gpu_check.*. Meant for
-one H100/H200 and about 5 minutes; CI never runs it.
+(bf16 compute, FSDP2, one GPU) through the same prepare job and train loop as every run.
+Prints tokens/s, MFU and peak memory, and the same fine-tunes' tokens/s in the plain-PyTorch
+loop of bench/bare_loop.py (same model, rows, batch and precision; no Ray, no FSDP, no
+checkpoint), and saves them to bench/results/gpu_check.{json,md}. Meant for one H100/H200 and
+about 5 minutes; CI never runs it.
 
-    .venv/bin/python bench/gpu_check.py [--lora-steps 30] [--full-steps 20]
+    .venv/bin/python bench/gpu_check.py [--lora-steps 30] [--full-steps 20] [--local-dir DIR]
+    .venv/bin/python bench/gpu_check.py --smoke     # tiny model on CPU: checks the script itself
+
+Storage is the embedded local S3 endpoint, or with --local-dir a local directory (for a GPU
+machine that has Ray and the model libraries but not the local-stack packages).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import contextlib
+import json
 import statistics
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import markdown_table, save_result  # noqa: E402
 
-BASE, DATA, RAW = "s3://eft/models/llama-1b-random", "s3://eft/data/gpu-check", "s3://eft/raw/gpu-check.jsonl"
-SEQ_LEN = 2048
+# Width 2048, 18 layers, MLP 5504, vocab 8192: ~1.0B parameters.
+FULL_SIZE = {"hidden_size": 2048, "num_layers": 18, "num_heads": 16, "intermediate_size": 5504, "vocab": 8192,
+             "seq_len": 2048}
+SMOKE_SIZE = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 128, "vocab": 512,
+              "seq_len": 128}
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def save_1b_base(store, texts: list[str]) -> None:
-    """~1B parameters: width 2048, 18 layers, MLP 5504, vocab 8192; saved in bf16."""
+def save_base(store, base_uri: str, texts: list[str], size: dict) -> int:
+    """A random-init Llama in Hugging Face format, stored in bf16 as real checkpoints are."""
     import torch
 
     from app.tiny import build_tiny_model, build_tiny_tokenizer
 
-    tokenizer = build_tiny_tokenizer(texts, vocab_size=8192)
-    model = build_tiny_model(tokenizer, hidden_size=2048, num_layers=18, num_heads=16, intermediate_size=5504,
-                             max_positions=SEQ_LEN, initializer_range=0.02).to(torch.bfloat16)
+    tokenizer = build_tiny_tokenizer(texts, vocab_size=size["vocab"])
+    model = build_tiny_model(tokenizer, hidden_size=size["hidden_size"], num_layers=size["num_layers"],
+                             num_heads=size["num_heads"], intermediate_size=size["intermediate_size"],
+                             max_positions=size["seq_len"], initializer_range=0.02).to(torch.bfloat16)
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        store.upload_dir(tmp, BASE, last=("config.json",))
-    print(f"base: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters at {BASE}")
+        store.upload_dir(tmp, base_uri, last=("config.json",))
+    return sum(p.numel() for p in model.parameters())
 
 
-def build_job(name: str, steps: int, lora: bool):
+def build_job(root: str, name: str, steps: int, lora: bool, size: dict, use_gpu: bool):
     from app.config import build_config
 
     return build_config({
-        "name": name, "model": {"uri": BASE, "dtype": "bfloat16"},
-        "lora": {"r": 16, "alpha": 32, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                            "up_proj", "down_proj"]} if lora else None,
-        "data": {"uri": DATA, "seq_len": SEQ_LEN},
-        "prepare": {"input_uri": RAW},
+        "name": name,
+        # auto: a LoRA base stays bf16, full fine-tuning keeps fp32 master weights; compute is bf16.
+        "model": {"uri": f"{root}/models/llama-random", "dtype": "auto"},
+        "lora": {"r": 16, "alpha": 32, "target_modules": LORA_TARGETS} if lora else None,
+        "data": {"uri": f"{root}/data/gpu-check", "seq_len": size["seq_len"]},
+        "prepare": {"input_uri": f"{root}/raw/gpu-check.jsonl"},
         "training": {"max_steps": steps, "global_batch_size": 16, "micro_batch_size": 4, "lr": 1e-4,
-                     "mixed_precision": "bf16", "log_every_steps": 1},
+                     "mixed_precision": "bf16" if use_gpu else "fp32", "log_every_steps": 1},
         "checkpoint": {"save_every_steps": steps},
-        "scaling": {"min_workers": 1, "max_workers": 1, "use_gpu": True, "cpus_per_worker": 4},
-        "storage": {"root_uri": "s3://eft/gpu-check-runs"},
+        "scaling": {"min_workers": 1, "max_workers": 1, "use_gpu": use_gpu, "cpus_per_worker": 4 if use_gpu else 1},
+        "storage": {"root_uri": f"{root}/runs"},
     })
 
 
 def steady(metrics: list[dict], key: str) -> float | None:
-    values = [m[key] for m in metrics[len(metrics) // 2:] if m.get(key) is not None]
+    """Median over steps 3 on: past allocator warm-up and caching, and robust to the odd slow step."""
+    values = [m[key] for m in metrics if m["step"] > 2 and m.get(key) is not None]
     return statistics.median(values) if values else None
+
+
+def run_bare_loop(model_dir: Path, data_dir: Path, steps: int, lora: bool, use_gpu: bool) -> float:
+    """Steady-state tokens/s of bench/bare_loop.py on the same fine-tune, in its own process."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "bare.json"
+        cmd = [sys.executable, str(Path(__file__).with_name("bare_loop.py")), "--model-dir", str(model_dir),
+               "--data-dir", str(data_dir), "--steps", str(steps), "--global-batch", "16", "--micro-batch", "4",
+               "--lr", "1e-4", "--device", "cuda" if use_gpu else "cpu", "--out", str(out)]
+        if lora:
+            cmd += ["--lora", json.dumps({"r": 16, "alpha": 32, "target_modules": LORA_TARGETS})]
+        subprocess.run(cmd, check=True)
+        result = json.loads(out.read_text())
+    step_s = steady(result["steps"], "step_time_s")
+    return 16 * result["seq_len"] / step_s
+
+
+def fmt(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def run_check(root: str, store, args, size: dict, use_gpu: bool) -> list[list]:
+    import ray
+
+    from app.data.prepare import prepare_dataset
+    from app.tiny import build_corpus, write_jsonl
+    from app.train.launch import init_ray, run_training
+    from app.train.metrics import load_metrics
+
+    t0 = time.monotonic()
+    texts = build_corpus()
+    n_params = save_base(store, f"{root}/models/llama-random", texts, size)
+    print(f"base: {n_params / 1e9:.3f}B parameters, saved in {time.monotonic() - t0:.0f} s", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        # The corpus ×4, so an epoch is several steps at seq_len 2048.
+        raw = write_jsonl(({"text": t} for _ in range(4) for t in texts), Path(tmp) / "c.jsonl")
+        store.write_bytes(f"{root}/raw/gpu-check.jsonl", raw.read_bytes())
+    init_ray()
+    prepare_dataset(build_job(root, "prepare", 1, True, size, use_gpu), store)
+    runs = []
+    for name, steps, lora in (("LoRA r=16", args.lora_steps, True), ("full", args.full_steps, False)):
+        cfg = build_job(root, f"gpu-{'lora' if lora else 'full'}", steps, lora, size, use_gpu)
+        started = time.monotonic()
+        summary = run_training(cfg, store)
+        wall = time.monotonic() - started
+        metrics = load_metrics(store, cfg.run_uri)
+        peak = steady(metrics, "peak_mem_gb") or steady(metrics, "peak_rss_gb")
+        runs.append((name, steps, lora, summary, metrics, wall, peak))
+    ray.shutdown()  # the bare loop gets the GPU to itself
+    # The bare loop reads local files: a local root as is, S3 through the store's node cache.
+    model_dir, data_dir = store.cache_locally(f"{root}/models/llama-random"), store.cache_locally(f"{root}/data/gpu-check")
+    rows = []
+    for name, steps, lora, summary, metrics, wall, peak in runs:
+        eft_rate, bare_rate = steady(metrics, "tokens_per_s"), run_bare_loop(model_dir, data_dir, steps, lora, use_gpu)
+        rows.append([name, summary["steps"], fmt(eft_rate, ",.0f"), fmt(bare_rate, ",.0f"),
+                     fmt(eft_rate / bare_rate if eft_rate else None, ".2f"),
+                     fmt(steady(metrics, "mfu"), ".1%"), fmt(peak, ".1f"), fmt(steady(metrics, "step_time_s"), ".3f"),
+                     fmt(metrics[0].get("step_time_s") if metrics else None, ".1f"), f"{wall:.0f}",
+                     round(summary["final_train_loss"], 3)])
+        print(rows[-1], flush=True)
+    return rows, n_params
 
 
 def main() -> None:
     import ray
 
-    from app import local
-    from app.data.prepare import prepare_dataset
-    from app.storage import Store
-    from app.tiny import build_corpus, write_jsonl
-    from app.train.launch import run_training
-    from app.train.metrics import load_metrics
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lora-steps", type=int, default=30)
     parser.add_argument("--full-steps", type=int, default=20)
+    parser.add_argument("--local-dir", help="keep model, data and runs under this directory instead of local S3")
+    parser.add_argument("--smoke", action="store_true", help="tiny model on CPU, 3 steps each, nothing saved")
     args = parser.parse_args()
+    if args.smoke:
+        args.lora_steps = args.full_steps = 3
+    size, use_gpu = (SMOKE_SIZE, False) if args.smoke else (FULL_SIZE, True)
 
-    s3 = local.start_s3_server()
-    os.environ.update(local.LOCAL_S3_ENV)
-    os.environ["AWS_ENDPOINT_URL"] = s3.endpoint
-    rows = []
-    try:
-        store = Store()
-        texts = build_corpus()
-        save_1b_base(store, texts)
-        with tempfile.TemporaryDirectory() as tmp:
-            store.write_bytes(RAW, write_jsonl(({"text": t} for t in texts), Path(tmp) / "c.jsonl").read_bytes())
-        prepare_dataset(build_job("prepare", 1, lora=True), store)
-        for name, steps, lora in (("lora", args.lora_steps, True), ("full", args.full_steps, False)):
-            cfg = build_job(f"gpu-{name}", steps, lora)
-            summary = run_training(cfg, store)
-            metrics = load_metrics(store, cfg.run_uri)
-            rows.append([name, summary["steps"], f"{steady(metrics, 'tokens_per_s'):,.0f}",
-                         f"{(steady(metrics, 'mfu') or 0):.1%}", f"{steady(metrics, 'peak_mem_gb'):.1f}",
-                         f"{steady(metrics, 'step_time_s'):.3f}", round(summary["final_train_loss"], 3)])
-    finally:
-        ray.shutdown()
-        s3.stop()
-    table = markdown_table(["run", "steps", "tokens/s", "MFU", "peak GB", "step s", "final loss"], rows)
-    save_result("gpu_check", {"rows": rows}, table)
+    from app.storage import Store
+
+    wall0 = time.monotonic()
+    with contextlib.ExitStack() as stack:
+        if args.local_dir:
+            root = str(Path(args.local_dir).absolute())
+        else:
+            from app import local
+
+            stack.enter_context(local.serve_s3())
+            root = "s3://eft/gpu-check"
+        stack.callback(ray.shutdown)
+        rows, n_params = run_check(root, Store(), args, size, use_gpu)
+    table = "\n\n".join([
+        f"Random-init Llama, {n_params / 1e9:.2f}B parameters (hidden {size['hidden_size']}, {size['num_layers']} "
+        f"layers, vocab {size['vocab']}), seq_len {size['seq_len']}, global batch 16 = micro 4 × accum 4, one "
+        f"worker, FSDP2, {'bf16 compute' if use_gpu else 'fp32 on CPU'}. Bare = bench/bare_loop.py, one process, "
+        "the same model, rows, batch and precision (bf16 autocast), no Ray, FSDP or checkpoint. Steady state = "
+        "median over steps 3 on; step 1 includes warm-up; run wall = `run_training` from call to return (Ray Train start, model load and sharding, the steps, one checkpoint).",
+        markdown_table(["run", "steps", "eft tokens/s", "bare tokens/s", "eft / bare", "MFU", "peak GB", "step s", "step 1 s", "run wall s",
+                        "final loss"], rows),
+        f"Whole check: {time.monotonic() - wall0:.0f} s.",
+    ])
+    if args.smoke:
+        print(table)
+    else:
+        save_result("gpu_check", {"rows": rows, "parameters": n_params, "size": size}, table)
 
 
 if __name__ == "__main__":

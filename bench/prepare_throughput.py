@@ -5,13 +5,13 @@ and vs the raw tokenizer batch-encode rate on 2 processes (the limit). Target: e
     .venv/bin/python bench/prepare_throughput.py [--repeat 40] [--rounds 2] [--files 1,4]
 
 The corpus is the pydoc corpus repeated `--repeat` times (40: ~30k documents, ~11.6 MB of
-JSONL, ~5M tokens), written once as 1 JSONL file and once split into 4 (`--files`): Ray Data
-parallelizes prepare across input files (one read + parse + tokenize task per file), while
-`datasets` shards by rows, so the layout matters. Everything is on local disk (input, tokenizer,
-output), so the comparison is about the pipelines, not about S3. `eft prepare` runs on a
-running local Ray cluster (as after `eft local up`) with its default 2 tokenizer actors;
-`datasets.map` gets num_proc=2; TOKENIZERS_PARALLELISM=false everywhere, so each process
-or actor encodes on one thread.
+JSONL, ~5M tokens), written once as 1 JSONL file and once split into 4 (`--files`): eft reads
+and parses each file in one Ray task that cuts it into blocks of a few tokenizer batches for
+the actor pool, while `datasets` shards by rows, so the layout matters. Everything is on local
+disk (input, tokenizer, output), so the comparison is about the pipelines, not about S3.
+`eft prepare` runs on a running local Ray cluster (as after `eft local up`) with its default 2
+tokenizer actors; `datasets.map` gets num_proc=2; TOKENIZERS_PARALLELISM=false everywhere, so
+each process or actor encodes on one thread.
 
 Work done: eft reads, tokenizes, packs into seq_len rows and writes Parquet shards + manifest;
 datasets reads JSON into Arrow and writes the tokenized Arrow cache (a fresh cache dir per run,
@@ -19,7 +19,8 @@ so nothing is reused). Rates are the corpus's body tokens (one count, the same f
 variant) over the wall time of the call. Variants run interleaved (raw, then eft and datasets per
 layout, per round); the table gives medians and per-round ratios. Each round also prepares one
 copy of the corpus with both, to split each pipeline's wall time into a fixed start-up cost and a
-marginal rate.
+marginal rate. The whole machine's CPU time during each call (from /proc/stat) shows how much work
+each pipeline does for the same tokens, since both keep the 2 cores busy.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -82,6 +84,20 @@ def raw_rate(tokenizer_dir: Path, texts: list[str], work: Path, procs: int = 2) 
     return {"tokens": tokens, "wall_s": slowest, "tokens_per_s": tokens / slowest}
 
 
+def machine_busy_s() -> Optional[float]:
+    """CPU seconds the whole machine has been busy (every core and process) since boot; None off Linux."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
+    except (OSError, ValueError):
+        return None
+    idle, iowait = fields[3], fields[4]
+    return (sum(fields) - idle - iowait) / os.sysconf("SC_CLK_TCK")
+
+
+def busy_between(before: Optional[float], after: Optional[float]) -> Optional[float]:
+    return None if before is None or after is None else after - before
+
+
 def run_eft(tree: dict, store, work: Path, name: str, input_path: Path, body_tokens: int) -> dict:
     """`eft prepare` in-process, unchanged; the driver's read loop is wrapped only to note when
     the first tokenized block arrives and how many tasks Ray Data ran for the tokenize stage."""
@@ -105,12 +121,12 @@ def run_eft(tree: dict, store, work: Path, name: str, input_path: Path, body_tok
 
     P.stream_documents, P.DocumentConsumer.add_batch = stream, add_batch
     try:
-        began = time.perf_counter()
+        busy, began = machine_busy_s(), time.perf_counter()
         manifest = P.prepare_dataset(cfg, store)
-        wall = time.perf_counter() - began
+        wall, busy = time.perf_counter() - began, busy_between(busy, machine_busy_s())
     finally:
         P.stream_documents, P.DocumentConsumer.add_batch = original_stream, original_add
-    return {"wall_s": wall, "tokens_per_s": body_tokens / wall,
+    return {"wall_s": wall, "busy_cpu_s": busy, "tokens_per_s": body_tokens / wall,
             "manifest_tokens_per_s": manifest["stats"]["tokens_per_s"],
             "train_rows": manifest["splits"]["train"]["rows"], **seen}
 
@@ -124,14 +140,27 @@ def run_datasets(files: list[Path], tokenizer, work: Path, name: str, body_token
         return {"input_ids": encode_texts(tokenizer, batch["text"])}
 
     cache = work / "hf-cache" / name
-    began = time.perf_counter()
+    busy, began = machine_busy_s(), time.perf_counter()
     ds = datasets.load_dataset("json", data_files=[str(f) for f in files], split="train", cache_dir=str(cache))
     loaded = time.perf_counter()
     out = ds.map(tokenize, batched=True, batch_size=BATCH, num_proc=2, remove_columns=ds.column_names)
-    wall = time.perf_counter() - began
+    wall, busy = time.perf_counter() - began, busy_between(busy, machine_busy_s())
     assert len(out) == len(ds)
-    return {"wall_s": wall, "load_s": loaded - began, "map_s": wall - (loaded - began),
+    return {"wall_s": wall, "busy_cpu_s": busy, "load_s": loaded - began, "map_s": wall - (loaded - began),
             "tokens_per_s": body_tokens / wall, "map_tokens_per_s": body_tokens / (wall - (loaded - began))}
+
+
+def busy_note(runs: dict, layouts: list[int]) -> str:
+    """The whole machine's CPU time per call: how much of the cores each pipeline kept busy."""
+    parts = []
+    for n in layouts:
+        for variant in ("eft", "datasets"):
+            busy = S.median(x.get("busy_cpu_s") for x in runs[f"{variant}/{n}"])
+            wall = S.median(x["wall_s"] for x in runs[f"{variant}/{n}"])
+            if busy is not None:
+                parts.append(f"{variant} {n} file(s) {busy:.1f} cpu-s ({busy / wall:.2f} of {os.cpu_count()} cores)")
+    return ("Machine CPU time during each call (every core and process, Ray's included; median): "
+            + "; ".join(parts) + ".") if parts else "Machine CPU time: not available on this OS."
 
 
 def main() -> None:
@@ -240,15 +269,16 @@ def main() -> None:
         f"{S.fmt(wall['eft/small'], 1)} s and datasets {S.fmt(wall['datasets/small'], 1)} s; the marginal rate from "
         f"there to the {args.repeat}-copy corpus is eft {S.fmt(marginal['eft'])} tokens/s vs datasets "
         f"{S.fmt(marginal['datasets'])} tokens/s (**{marginal['eft'] / marginal['datasets']:.2f}×**).",
-        "Inside `eft prepare` (Ray Data stats, driver clock): the fused parse → tokenize stage ran "
+        "Inside `eft prepare` (Ray Data stats, driver clock): the tokenize stage ran "
         + "; ".join(f"{S.median(x['tokenize_tasks'] for x in runs[f'eft/{n}']):g} task(s) for {n} file(s)"
                     for n in layouts)
-        + " (with 2 tokenizer actors in the pool), and the first tokenized block reached the driver (which packs and "
+        + " on its 2 tokenizer actors, and the first tokenized block reached the driver (which packs and "
         "writes the shards) after " + "; ".join(
             f"{S.fmt(S.median(x['first_block_s'] for x in runs[f'eft/{n}']), 1)} s of {S.fmt(wall[f'eft/{n}'], 1)} s "
             f"({n} file(s))" for n in layouts) + ".",
         "datasets' wall split into load_dataset (JSON → Arrow) / map: " + "; ".join(
             f"{n} file(s) {S.fmt(a, 1)} s / {S.fmt(b, 1)} s" for n, (a, b) in ds_parts.items()) + ".",
+        busy_note(runs, layouts),
         S.load_note(load_before, load_after),
     ])
     save_result("prepare_throughput", {

@@ -20,17 +20,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def s3():
     """An S3 endpoint (moto's server) with bucket `eft`; the process env points boto3/pyarrow at it."""
-    server = local.start_s3_server()
-    saved = {k: os.environ.get(k) for k in [*local.LOCAL_S3_ENV, "AWS_ENDPOINT_URL"]}
-    os.environ.update(local.LOCAL_S3_ENV)
-    os.environ["AWS_ENDPOINT_URL"] = server.endpoint
-    yield server
-    server.stop()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with local.serve_s3() as server:
+        yield server
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from collections import Counter
 
@@ -11,8 +12,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from app.config import JobConfig, build_config
-from app.data.packing import IGNORE_INDEX
-from app.data.prepare import DatasetError, PrepareError, load_manifest, prepare_dataset, shard_uris
+from app.data.packing import IGNORE_INDEX, encode_texts
+from app.data.prepare import (
+    BATCHES_PER_BLOCK, DOCUMENT_SCHEMA, DatasetError, PrepareError, TokenizeDocuments, TokenizerSpec,
+    encode_with_backend, export_backend, load_backend, load_manifest, load_tokenizer, prepare_dataset, shard_uris,
+)
 from app.storage import Store
 from app.tiny import build_corpus, save_tiny_base
 
@@ -175,6 +179,29 @@ def test_rows_decode_back_to_the_corpus(tokenizer, prepared, text_docs):
     assert manifest["splits"]["train"]["tokens"] + manifest["splits"]["validation"]["tokens"] == expected_tokens
 
 
+def shard_layout(split: dict) -> list[tuple[int, int]]:
+    return [(shard["rows"], shard["row_id_start"]) for shard in split["shards"]]
+
+
+def test_files_cut_into_many_blocks_over_two_actors_give_the_same_dataset(store, prepared, text_docs):
+    """Block boundaries and the number of tokenizer actors never show in the output: with 2-document
+    tokenizer batches every file spans several blocks, spread over two actors, and the shards, line
+    numbers of skipped records and the validation split come out as in `prepared` (one block per file)."""
+    _, first, first_shards = prepared
+    assert BATCHES_PER_BLOCK * 2 < min(len(docs) for docs in text_docs.values())
+    data_uri = "s3://eft/data/text-blocks"
+    cfg = make_config(data_uri, "s3://eft/raw/text/", tokenize_batch_size=2, num_tokenizer_actors=2)
+    manifest = prepare_dataset(cfg, store)
+    assert manifest["records"] == first["records"]
+    for split in ("train", "validation"):
+        old, new = first["splits"][split], manifest["splits"][split]
+        assert (new["tokens"], new["label_tokens"], shard_layout(new)) == (
+            old["tokens"], old["label_tokens"], shard_layout(old))
+        for old_table, new_table in zip(first_shards[split], read_shards(store, data_uri, manifest, split),
+                                        strict=True):
+            assert new_table.equals(old_table)
+
+
 def test_rerun_without_overwrite_fails(prepared):
     cfg, _, _ = prepared
     with pytest.raises(PrepareError, match=r"already prepared at s3://eft/data/text \(set prepare.overwrite=true\)"):
@@ -246,3 +273,43 @@ def test_parquet_instruction_input_masks_prompts(store, tokenizer, corpus, ray_c
     assert ids.tolist() == expected_ids
     assert labels.tolist() == expected_labels
     assert train["label_tokens"] == sum(1 for x in expected_labels if x != IGNORE_INDEX) < train["tokens"]
+
+
+# -- the tokenizer in the actors ----------------------------------------------------------
+
+TRICKY_TEXTS = ["Plain prose.", "a literal </s> and <s> stay text", "  spaces around  ", "tabs\tand\nnewlines",
+                "ünïcödé — “quotes” 😀", ""]
+
+
+def test_the_rust_backend_encodes_like_the_transformers_tokenizer(tokenizer):
+    backend = load_backend(export_backend(tokenizer))
+    assert encode_with_backend(backend, TRICKY_TEXTS) == encode_texts(tokenizer, TRICKY_TEXTS)
+
+
+def test_the_backend_drops_truncation_and_padding_set_on_the_tokenizer(store, tokenizer):
+    configured = load_tokenizer(store, BASE_URI)
+    configured.backend_tokenizer.enable_truncation(max_length=4)
+    configured.backend_tokenizer.enable_padding(length=64)
+    backend = load_backend(export_backend(configured))
+    assert encode_with_backend(backend, TRICKY_TEXTS) == encode_texts(tokenizer, TRICKY_TEXTS)
+
+
+def test_a_tokenizer_class_with_its_own_encode_path_is_not_exported(tokenizer):
+    custom = copy.copy(tokenizer)
+    custom.__class__ = type("Custom", (type(tokenizer),), {"_encode_plus": lambda self, *args, **kwargs: None})
+    assert export_backend(custom) is None
+
+
+def test_tokenizer_actors_encode_alike_with_the_backend_or_transformers(store, tokenizer, corpus):
+    """An actor given no backend (export_backend said None) loads the transformers tokenizer from the
+    URI instead; both give the same table, prompts, literal special tokens and skipped rows included."""
+    batch = pa.table({"source": ["a.jsonl"] * 4, "line": [1, 2, 3, 4],
+                      "text": [corpus[0], None, corpus[1], "</s> is text here"],
+                      "prompt": [None, None, "a prompt with <s>", None], "reason": [None, "bad JSON", None, None]},
+                     schema=DOCUMENT_SCHEMA)
+    spec = TokenizerSpec(BASE_URI, store.endpoint, store.region, tokenizer.eos_token_id, tokenizer.bos_token_id,
+                         backend_json=None)
+    with_transformers = TokenizeDocuments(spec)(batch)
+    with_backend = TokenizeDocuments(spec._replace(backend_json=export_backend(tokenizer)))(batch)
+    assert with_backend.equals(with_transformers)
+    assert with_backend["input_ids"][1].as_py() == [] and len(with_backend["input_ids"][2].as_py()) > 2

@@ -13,7 +13,8 @@ lengths, so a whole batch of documents is handled with a few vectorised numpy ca
 from __future__ import annotations
 
 import hashlib
-from typing import Iterable, Optional, Sequence
+import itertools
+from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -27,8 +28,9 @@ TOKEN_DTYPE = np.int32
 
 def flatten_token_lists(lists: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
     """Lists of token ids → (flat int32 values, int64 lengths)."""
-    lengths = np.fromiter((len(x) for x in lists), dtype=np.int64, count=len(lists))
-    values = np.fromiter((t for x in lists for t in x), dtype=TOKEN_DTYPE, count=int(lengths.sum()))
+    lengths = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
+    # chain.from_iterable walks the lists in C; a nested generator would run Python code per token.
+    values = np.fromiter(itertools.chain.from_iterable(lists), dtype=TOKEN_DTYPE, count=int(lengths.sum()))
     return values, lengths
 
 
@@ -96,15 +98,22 @@ def encode_texts(tokenizer, texts: list[str]) -> list[list[int]]:
 
 def tokenize_documents(tokenizer, docs: Sequence[Document]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Documents → flat (input_ids, labels, lengths), with one tokenizer call per field."""
-    body, body_len = flatten_token_lists(encode_texts(tokenizer, [d.text for d in docs]))
+    return encode_documents(lambda texts: encode_texts(tokenizer, texts), docs, tokenizer.eos_token_id,
+                            tokenizer.bos_token_id)
+
+
+def encode_documents(encode: Callable[[list[str]], list[list[int]]], docs: Sequence[Document], eos_id: int,
+                     bos_id: Optional[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """tokenize_documents with any `encode` that matches encode_texts (e.g. the Rust tokenizer itself)."""
+    body, body_len = flatten_token_lists(encode([d.text for d in docs]))
     prompt = prompt_len = None
     prompted = [i for i, d in enumerate(docs) if d.prompt is not None]
     if prompted:
         prompt_lists = [[] for _ in docs]
-        for i, ids in zip(prompted, encode_texts(tokenizer, [docs[i].prompt for i in prompted])):
+        for i, ids in zip(prompted, encode([docs[i].prompt for i in prompted])):
             prompt_lists[i] = ids
         prompt, prompt_len = flatten_token_lists(prompt_lists)
-    return build_examples_flat(body, body_len, tokenizer.eos_token_id, tokenizer.bos_token_id, prompt, prompt_len)
+    return build_examples_flat(body, body_len, eos_id, bos_id, prompt, prompt_len)
 
 
 def tokenize_document(tokenizer, doc: Document) -> tuple[np.ndarray, np.ndarray]:

@@ -1,9 +1,11 @@
 """The `prepare` stage: raw JSONL/Parquet → packed Parquet shards + manifest.json (a Ray Data job).
 
-Ray Data reads the input files and parses records in tasks, an actor pool tokenizes them
-(the tokenizer is loaded once per actor), and the driver consumes the tokenized documents in
-input order: it assigns each one to train or validation by a stable hash of its source
-position, packs each split into `seq_len` rows and writes Parquet shards.
+Ray Data reads the input files and parses records in tasks, which cut them into blocks of a
+few tokenizer batches; an actor pool tokenizes the blocks (the tokenizer is loaded once per
+actor), and the driver consumes the tokenized documents in input order while later blocks are
+still being tokenized: it assigns each one to train or validation by a stable hash of its source
+position, packs each split into `seq_len` rows and writes Parquet shards. Block boundaries never
+show in the output: documents are packed as one stream, in input order.
 
 The dataset is committed-or-absent: shards go under a fresh `shards-<id>/` prefix and
 `manifest.json`, written last, is the commit. Readers only ever follow the manifest, so a
@@ -21,8 +23,9 @@ import posixpath
 import time
 import uuid
 from collections import Counter
+from functools import partial
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, NamedTuple, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -32,7 +35,7 @@ import pyarrow.parquet as pq
 
 from app.config import JobConfig
 from app.data.formats import Document, Skip, build_document, parse_json_line
-from app.data.packing import IGNORE_INDEX, Packer, source_key, tokenize_documents, validation_mask
+from app.data.packing import IGNORE_INDEX, Packer, encode_documents, encode_texts, source_key, validation_mask
 from app.storage import Store, StorageError, join
 
 log = logging.getLogger(__name__)
@@ -46,10 +49,18 @@ ERROR_EXAMPLES = 3
 LOG_EVERY_S = 10.0
 INPUT_EXTENSIONS = {"jsonl": (".jsonl", ".json"), "parquet": (".parquet",)}
 
-# Ray Data small-cluster footprint: parsing and tokenizing are light per task, and fractional
-# CPUs let the job run beside other work on a laptop-sized cluster.
-PARSE_NUM_CPUS = 0.25
+# Ray Data small-cluster footprint: fractional CPUs let the tokenizer actors run beside other work
+# on a laptop-sized cluster. Read + parse tasks keep the default 1 CPU (and Ray Data's default
+# concurrency): Ray Data fuses read, parse and the re-blocking into one task only when their CPU
+# requests and concurrency match, and parsing is cheap next to tokenizing.
 TOKENIZER_NUM_CPUS = 0.25
+# Tokenizer batches per block. One block is one actor call and one driver step, so blocks must be
+# small enough that every actor gets work from a single file and the first tokenized block reaches
+# the driver (which packs while the actors go on) early, and large enough to keep the per-block
+# overhead of Ray Data and the driver small.
+BATCHES_PER_BLOCK = 4
+# Ray Data's own default number of read tasks; past it, a read task takes several files.
+MAX_READ_TASKS = 200
 
 DOCUMENT_SCHEMA = pa.schema([
     ("source", pa.string()), ("line", pa.int64()), ("text", pa.string()),
@@ -137,15 +148,21 @@ def build_document_table(rows: list[tuple[str, int, Any]], fields: dict) -> pa.T
     return pa.table(columns, schema=DOCUMENT_SCHEMA)
 
 
-def parse_jsonl_files(batch: dict, base: str, fields: dict) -> pa.Table:
-    """Whole JSONL files → one row per non-blank line, numbered from 1 (blank lines are not records)."""
-    rows = []
+def parse_jsonl_files(batch: dict, base: str, fields: dict, rows_per_block: int) -> Iterator[pa.Table]:
+    """Whole JSONL files → one row per non-blank line, numbered from 1 (blank lines are not records).
+    Yields `rows_per_block` rows at a time, so the first blocks go to the tokenizers while the rest of a
+    big file is still being parsed."""
     for data, path in zip(batch["bytes"], batch["path"]):
         source = relative_source(path, base)
+        rows = []
         for number, line in enumerate(data.split(b"\n"), start=1):
             if line.strip():
                 rows.append((source, number, parse_json_line(line)))
-    return build_document_table(rows, fields)
+                if len(rows) == rows_per_block:
+                    yield build_document_table(rows, fields)
+                    rows = []
+        if rows:
+            yield build_document_table(rows, fields)
 
 
 def parse_parquet_rows(batch: pa.Table, base: str, fields: dict) -> pa.Table:
@@ -162,18 +179,34 @@ def build_list_array(values: np.ndarray, lengths: np.ndarray) -> pa.ListArray:
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=pa.int32()))
 
 
+class TokenizerSpec(NamedTuple):
+    """What a tokenizer actor needs: the Rust backend as JSON when it can stand in for the
+    transformers tokenizer (see export_backend), else where to load that tokenizer from."""
+    uri: str
+    endpoint: Optional[str]
+    region: str
+    eos_token_id: int
+    bos_token_id: Optional[int]
+    backend_json: Optional[str]
+
+
 class TokenizeDocuments:
     """Ray Data actor: loads the tokenizer once, then turns document batches into token lists."""
 
-    def __init__(self, tokenizer_uri: str, endpoint: Optional[str], region: str):
-        self.tokenizer = load_tokenizer(Store(endpoint, region), tokenizer_uri)
+    def __init__(self, spec: TokenizerSpec):
+        self.spec = spec
+        if spec.backend_json is not None:
+            self.encode = partial(encode_with_backend, load_backend(spec.backend_json))
+        else:
+            self.encode = partial(encode_texts, load_tokenizer(Store(spec.endpoint, spec.region), spec.uri))
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         ok = pc.is_null(batch["reason"]).to_numpy(zero_copy_only=False)
         good = np.flatnonzero(ok)
         texts = batch["text"].take(pa.array(good)).to_pylist()
         prompts = batch["prompt"].take(pa.array(good)).to_pylist()
-        ids, labels, doc_lengths = tokenize_documents(self.tokenizer, [Document(t, p) for t, p in zip(texts, prompts)])
+        ids, labels, doc_lengths = encode_documents(self.encode, [Document(t, p) for t, p in zip(texts, prompts)],
+                                                    self.spec.eos_token_id, self.spec.bos_token_id)
         lengths = np.zeros(batch.num_rows, dtype=np.int64)
         lengths[good] = doc_lengths
         return pa.table({
@@ -188,25 +221,72 @@ def load_tokenizer(store: Store, tokenizer_uri: str):
     return AutoTokenizer.from_pretrained(str(store.cache_locally(tokenizer_uri)))
 
 
-def build_token_dataset(cfg: JobConfig, store: Store, fs: pafs.FileSystem, base: str, files: list[str]):
+# What transformers runs between `tokenizer(texts, ...)` and the Rust tokenizer, in 4.x and 5.x.
+ENCODE_PATH = ("__call__", "_call_one", "encode_plus", "_encode_plus", "batch_encode_plus", "_batch_encode_plus")
+
+
+def export_backend(tokenizer) -> Optional[str]:
+    """The Rust tokenizer inside a transformers fast tokenizer, as JSON, or None where it cannot stand
+    in for it. Actors that load it skip importing transformers (seconds per actor on a small box).
+    For a fast tokenizer whose class keeps the stock encode path, encode_texts is exactly the
+    backend's encode_batch without special tokens, truncation or padding, with special-token text
+    split (encode_with_backend); a class that changes that path keeps the transformers tokenizer."""
+    from transformers import PreTrainedTokenizerFast
+
+    cls = type(tokenizer)
+    if not isinstance(tokenizer, PreTrainedTokenizerFast) or any(
+            getattr(cls, name, None) is not getattr(PreTrainedTokenizerFast, name, None) for name in ENCODE_PATH):
+        return None
+    return tokenizer.backend_tokenizer.to_str()
+
+
+def load_backend(backend_json: str):
+    from tokenizers import Tokenizer
+
+    backend = Tokenizer.from_str(backend_json)
+    backend.no_truncation()
+    backend.no_padding()
+    backend.encode_special_tokens = True
+    return backend
+
+
+def encode_with_backend(backend, texts: list[str]) -> list[list[int]]:
+    """encode_texts on the Rust tokenizer from load_backend."""
+    return [encoding.ids for encoding in backend.encode_batch(texts, add_special_tokens=False)]
+
+
+def read_documents(cfg: JobConfig, fs: pafs.FileSystem, base: str, files: list[str], rows_per_block: int):
+    """The input files as a Ray Dataset of DOCUMENT_SCHEMA blocks of at most `rows_per_block` rows."""
     import ray.data
 
     p = cfg.prepare
     fields = {"fmt": p.format, "text_field": p.text_field, "prompt_field": p.prompt_field,
               "response_field": p.response_field}
     if p.input_format == "jsonl":
-        ds = ray.data.read_binary_files(files, filesystem=fs, include_paths=True)
-        # One file per batch: line numbers are counted within a file.
-        ds = ds.map_batches(parse_jsonl_files, batch_size=1, batch_format="numpy", num_cpus=PARSE_NUM_CPUS,
-                            fn_kwargs={"base": base, "fields": fields})
+        # One read task per file (up to MAX_READ_TASKS), each fused with parsing its files and cutting
+        # them into blocks: a split read (Ray's default below its target number of blocks) or a fixed
+        # batch size would stop the fusion and cost a task, a worker and a copy of the file more.
+        ds = ray.data.read_binary_files(files, filesystem=fs, include_paths=True,
+                                        override_num_blocks=min(len(files), MAX_READ_TASKS))
+        ds = ds.map_batches(parse_jsonl_files, batch_size=None, batch_format="numpy",
+                            fn_kwargs={"base": base, "fields": fields, "rows_per_block": rows_per_block})
     else:
         ds = ray.data.read_parquet(files, filesystem=fs, include_paths=True)
-        ds = ds.map_batches(parse_parquet_rows, batch_format="pyarrow", num_cpus=PARSE_NUM_CPUS,
-                            fn_kwargs={"base": base, "fields": fields})
+        ds = ds.map_batches(parse_parquet_rows, batch_format="pyarrow", fn_kwargs={"base": base, "fields": fields})
+    # A file's documents come out of one task; cutting them into blocks (in the same task: streaming
+    # repartition fuses with the map before it) is what spreads them over the tokenizer actors.
+    return ds.repartition(target_num_rows_per_block=rows_per_block)
+
+
+def build_token_dataset(cfg: JobConfig, fs: pafs.FileSystem, base: str, files: list[str], tokenizer: TokenizerSpec):
+    import ray.data
+
+    p = cfg.prepare
+    ds = read_documents(cfg, fs, base, files, BATCHES_PER_BLOCK * p.tokenize_batch_size)
     return ds.map_batches(
         TokenizeDocuments, batch_size=p.tokenize_batch_size, batch_format="pyarrow",
         compute=ray.data.ActorPoolStrategy(size=p.num_tokenizer_actors), num_cpus=TOKENIZER_NUM_CPUS,
-        fn_constructor_args=(cfg.tokenizer_uri, store.endpoint, store.region),
+        fn_constructor_args=(tokenizer,),
     )
 
 
@@ -399,15 +479,19 @@ def fingerprint_tokenizer(tokenizer, local_dir: Path) -> str:
     return hashlib.sha256(vocab.encode()).hexdigest()
 
 
-def describe_tokenizer(cfg: JobConfig, store: Store) -> dict:
+def describe_tokenizer(cfg: JobConfig, store: Store, tokenizer) -> dict:
     local_dir = store.cache_locally(cfg.tokenizer_uri)
-    tokenizer = load_tokenizer(store, cfg.tokenizer_uri)
     if tokenizer.eos_token_id is None:
         raise PrepareError(f"tokenizer at {cfg.tokenizer_uri} has no eos token (needed between documents)")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return {"uri": cfg.tokenizer_uri, "fingerprint": fingerprint_tokenizer(tokenizer, local_dir),
             "vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id, "pad_token_id": pad,
             "bos_token_id": tokenizer.bos_token_id}
+
+
+def tokenizer_spec(cfg: JobConfig, store: Store, tokenizer, facts: dict) -> TokenizerSpec:
+    return TokenizerSpec(cfg.tokenizer_uri, store.endpoint, store.region, facts["eos_token_id"],
+                         facts["bos_token_id"], export_backend(tokenizer))
 
 
 # -- commit protocol ------------------------------------------------------------------------
@@ -472,7 +556,8 @@ def stream_documents(ds, consumer: DocumentConsumer) -> None:
 
 
 def write_dataset(cfg: JobConfig, store: Store, fs: pafs.FileSystem, base: str, files: list[str],
-                  shard_dir: str, pad_id: int) -> tuple[dict[str, dict], DocumentConsumer, BadRecords]:
+                  shard_dir: str, pad_id: int, tokenizer: TokenizerSpec,
+                  ) -> tuple[dict[str, dict], DocumentConsumer, BadRecords]:
     data_fs, data_path = store.resolve(cfg.data.uri)
     splits = {name: SplitBuilder(cfg.data.seq_len, pad_id,
                                  ShardWriter(data_fs, data_path, shard_dir, name, cfg.prepare.rows_per_shard,
@@ -481,7 +566,7 @@ def write_dataset(cfg: JobConfig, store: Store, fs: pafs.FileSystem, base: str, 
     bad = BadRecords(cfg.prepare.max_bad_records, cfg.prepare.input_uri)
     consumer = DocumentConsumer(cfg, splits, bad)
     with preserving_order():
-        stream_documents(build_token_dataset(cfg, store, fs, base, files), consumer)
+        stream_documents(build_token_dataset(cfg, fs, base, files, tokenizer), consumer)
     return {name: split.finish() for name, split in splits.items()}, consumer, bad
 
 
@@ -496,14 +581,16 @@ def prepare_dataset(cfg: JobConfig, store: Optional[Store] = None) -> dict:
     check_not_prepared(cfg, store)
     delete_unreferenced_shards(store, cfg.data.uri, referenced_shard_dirs(read_committed_manifest(store, cfg.data.uri)))
     fs, base, files = list_input_files(store, cfg.prepare.input_uri, cfg.prepare.input_format)
-    tokenizer = describe_tokenizer(cfg, store)
+    hf_tokenizer = load_tokenizer(store, cfg.tokenizer_uri)
+    tokenizer = describe_tokenizer(cfg, store, hf_tokenizer)
+    spec = tokenizer_spec(cfg, store, hf_tokenizer, tokenizer)
     if not ray.is_initialized():
         ray.init()
     shard_dir = f"{SHARDS_PREFIX}{uuid.uuid4().hex[:12]}"
     log.info("prepare: %d %s file(s) from %s → %s/%s", len(files), cfg.prepare.input_format,
              cfg.prepare.input_uri, cfg.data.uri, shard_dir)
     try:
-        splits, consumer, bad = write_dataset(cfg, store, fs, base, files, shard_dir, tokenizer["pad_token_id"])
+        splits, consumer, bad = write_dataset(cfg, store, fs, base, files, shard_dir, tokenizer["pad_token_id"], spec)
         if not splits["train"]["rows"]:
             raise PrepareError(f"no training rows from {cfg.prepare.input_uri} ({consumer.read} records read, "
                                f"{bad.count} skipped, {consumer.used} used, "

@@ -274,6 +274,7 @@ def train_loop_per_worker(config: dict) -> None:
     # --- report ------------------------------------------------------------------
     # The final step always saves (above), which reports its metrics and checkpoint to Ray.
     metrics.flush()
+    heartbeat.flush()
     for sink in sinks:
         sink.finish()
     if rank == 0:

@@ -153,14 +153,19 @@ def format_progress(r: dict, total: int) -> str:
 class Heartbeat:
     """Rank 0's progress marker for one worker-group attempt: `<run>/heartbeats/<attempt>.json`
     with the first and the last step it reached and when. Interruption accounting (steps
-    recomputed, seconds to recover) is read from these. Written at most every `interval_s`."""
+    recomputed, seconds to recover) is read from these. Written at most every `interval_s`, on a
+    background thread: the other ranks wait at the next collective for whatever rank 0 does in
+    the step, so a storage round trip here would slow every rank."""
 
     def __init__(self, store: Store, run_uri: str, attempt: str, enabled: bool, interval_s: float = 1.0, **fields):
+        from app.train.sinks import BackgroundWriter
+
         self.store, self.enabled, self.interval_s = store, enabled, interval_s
         self.uri = join(run_uri, "heartbeats", f"{attempt}.json")
         self.state = {"attempt": attempt, "started_at": time.time(), "first_step": None, "first_step_at": None,
                       "last_step": None, "last_step_at": None, **fields}
         self._written = 0.0
+        self._writer = BackgroundWriter() if enabled else None
 
     def beat(self, step: int, force: bool = False) -> None:
         if not self.enabled:
@@ -171,8 +176,13 @@ class Heartbeat:
             force = True
         self.state.update(last_step=step, last_step_at=now)
         if force or now - self._written >= self.interval_s:
-            self.store.write_json(self.uri, self.state)
+            snapshot = dict(self.state)
+            self._writer.submit(self.uri, lambda: self.store.write_json(self.uri, snapshot))
             self._written = now
+
+    def flush(self) -> None:
+        if self._writer is not None:
+            self._writer.drain()
 
 
 def load_heartbeats(store: Store, run_uri: str) -> list[dict]:

@@ -23,8 +23,7 @@ chaos.configure_fast_failure_detection()
 def main(out_path: str, base_uri: str, data_uri: str, s3_endpoint: str) -> None:
     import ray
 
-    os.environ.update(local.LOCAL_S3_ENV)
-    os.environ["AWS_ENDPOINT_URL"] = s3_endpoint
+    local.point_env_at(s3_endpoint)
     cluster = chaos.start_cluster(worker_nodes=3)
     try:
         run_scenario(cluster, out_path, base_uri, data_uri)
@@ -46,9 +45,7 @@ def run_scenario(cluster: chaos.LocalCluster, out_path: str, base_uri: str, data
         "training": {"max_steps": int(os.environ.get("SPOT_STEPS", "100")), "global_batch_size": 12,
                      "micro_batch_size": 2, "lr": 3e-3, "schedule": "constant", "trace_rows": True},
         "checkpoint": {"save_every_steps": 10},
-        "scaling": {"min_workers": 2, "max_workers": 3, "cpus_per_worker": 1,
-                    "resources_per_worker": {chaos.SLOT: 1}, "elastic_resize_monitor_interval_s": 3,
-                    "worker_group_start_timeout_s": 5},
+        "scaling": chaos.elastic_scaling(min_workers=2, max_workers=3),
         "fault_tolerance": {"max_failures": 2},
         "storage": {"root_uri": "s3://eft/runs-spot"},
     })
