@@ -31,7 +31,6 @@ def configure_fast_failure_detection() -> None:
                        "RAY_USAGE_STATS_ENABLED": "0"})
 
 
-@dataclass
 def elastic_scaling(min_workers: int = 2, max_workers: int = 3) -> dict:
     """The `scaling` section for a run on a cluster from `start_cluster`: one worker per node
     (its slot), and resize checks and start timeouts short enough for a rehearsal."""
@@ -40,6 +39,7 @@ def elastic_scaling(min_workers: int = 2, max_workers: int = 3) -> dict:
             "worker_group_start_timeout_s": 5}
 
 
+@dataclass
 class LocalCluster:
     cluster: object
     nodes: list
