@@ -6,6 +6,7 @@ checkpoint), and saves them to bench/results/gpu_check.{json,md}. Meant for one 
 about 5 minutes; CI never runs it.
 
     .venv/bin/python bench/gpu_check.py [--lora-steps 30] [--full-steps 20] [--local-dir DIR]
+                                        [--runs lora,full]  # also: lora-ddp (LoRA under DDP, not FSDP2)
     .venv/bin/python bench/gpu_check.py --smoke     # tiny model on CPU: checks the script itself
 
 Storage is the embedded local S3 endpoint, or with --local-dir a local directory (for a GPU
@@ -33,6 +34,9 @@ FULL_SIZE = {"hidden_size": 2048, "num_layers": 18, "num_heads": 16, "intermedia
              "seq_len": 2048}
 SMOKE_SIZE = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 128, "vocab": 512,
               "seq_len": 128}
+# --runs: label, LoRA?, parallelism.
+RUNS = {"lora": ("LoRA r=16", True, "fsdp"), "full": ("full", False, "fsdp"),
+        "lora-ddp": ("LoRA r=16, DDP", True, "ddp")}
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -53,7 +57,7 @@ def save_base(store, base_uri: str, texts: list[str], size: dict) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def build_job(root: str, name: str, steps: int, lora: bool, size: dict, use_gpu: bool):
+def build_job(root: str, name: str, steps: int, lora: bool, size: dict, use_gpu: bool, parallelism: str = "fsdp"):
     from app.config import build_config
 
     return build_config({
@@ -64,6 +68,7 @@ def build_job(root: str, name: str, steps: int, lora: bool, size: dict, use_gpu:
         "data": {"uri": f"{root}/data/gpu-check", "seq_len": size["seq_len"]},
         "prepare": {"input_uri": f"{root}/raw/gpu-check.jsonl"},
         "training": {"max_steps": steps, "global_batch_size": 16, "micro_batch_size": 4, "lr": 1e-4,
+                     "parallelism": parallelism,
                      "mixed_precision": "bf16" if use_gpu else "fp32", "log_every_steps": 1},
         "checkpoint": {"save_every_steps": steps},
         "scaling": {"min_workers": 1, "max_workers": 1, "use_gpu": use_gpu, "cpus_per_worker": 4 if use_gpu else 1},
@@ -115,8 +120,10 @@ def run_check(root: str, store, args, size: dict, use_gpu: bool) -> list[list]:
     init_ray()
     prepare_dataset(build_job(root, "prepare", 1, True, size, use_gpu), store)
     runs = []
-    for name, steps, lora in (("LoRA r=16", args.lora_steps, True), ("full", args.full_steps, False)):
-        cfg = build_job(root, f"gpu-{'lora' if lora else 'full'}", steps, lora, size, use_gpu)
+    for run in args.runs:
+        name, lora, parallelism = RUNS[run]
+        steps = args.lora_steps if lora else args.full_steps
+        cfg = build_job(root, f"gpu-{run}", steps, lora, size, use_gpu, parallelism)
         started = time.monotonic()
         summary = run_training(cfg, store)
         wall = time.monotonic() - started
@@ -127,8 +134,11 @@ def run_check(root: str, store, args, size: dict, use_gpu: bool) -> list[list]:
     # The bare loop reads local files: a local root as is, S3 through the store's node cache.
     model_dir, data_dir = store.cache_locally(f"{root}/models/llama-random"), store.cache_locally(f"{root}/data/gpu-check")
     rows = []
+    bare: dict[tuple[int, bool], float] = {}  # LoRA under FSDP2 and under DDP share one baseline
     for name, steps, lora, summary, metrics, wall, peak in runs:
-        eft_rate, bare_rate = steady(metrics, "tokens_per_s"), run_bare_loop(model_dir, data_dir, steps, lora, use_gpu)
+        if (steps, lora) not in bare:
+            bare[steps, lora] = run_bare_loop(model_dir, data_dir, steps, lora, use_gpu)
+        eft_rate, bare_rate = steady(metrics, "tokens_per_s"), bare[steps, lora]
         rows.append([name, summary["steps"], fmt(eft_rate, ",.0f"), fmt(bare_rate, ",.0f"),
                      fmt(eft_rate / bare_rate if eft_rate else None, ".2f"),
                      fmt(steady(metrics, "mfu"), ".1%"), fmt(peak, ".1f"), fmt(steady(metrics, "step_time_s"), ".3f"),
@@ -144,9 +154,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lora-steps", type=int, default=30)
     parser.add_argument("--full-steps", type=int, default=20)
+    parser.add_argument("--runs", default="lora,full", type=lambda v: v.split(","),
+                        help=f"comma-separated, of {', '.join(RUNS)}")
     parser.add_argument("--local-dir", help="keep model, data and runs under this directory instead of local S3")
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU, 3 steps each, nothing saved")
     args = parser.parse_args()
+    if unknown := set(args.runs) - set(RUNS):
+        parser.error(f"--runs: unknown run(s) {', '.join(sorted(unknown))} (choose from {', '.join(RUNS)})")
     if args.smoke:
         args.lora_steps = args.full_steps = 3
     size, use_gpu = (SMOKE_SIZE, False) if args.smoke else (FULL_SIZE, True)
@@ -167,7 +181,7 @@ def main() -> None:
     table = "\n\n".join([
         f"Random-init Llama, {n_params / 1e9:.2f}B parameters (hidden {size['hidden_size']}, {size['num_layers']} "
         f"layers, vocab {size['vocab']}), seq_len {size['seq_len']}, global batch 16 = micro 4 × accum 4, one "
-        f"worker, FSDP2, {'bf16 compute' if use_gpu else 'fp32 on CPU'}. Bare = bench/bare_loop.py, one process, "
+        f"worker, FSDP2 (DDP where the run says so), {'bf16 compute' if use_gpu else 'fp32 on CPU'}. Bare = bench/bare_loop.py, one process, "
         "the same model, rows, batch and precision (bf16 autocast), no Ray, FSDP or checkpoint. Steady state = "
         "median over steps 3 on; step 1 includes warm-up; run wall = `run_training` from call to return (Ray Train start, model load and sharding, the steps, one checkpoint).",
         markdown_table(["run", "steps", "eft tokens/s", "bare tokens/s", "eft / bare", "MFU", "peak GB", "step s", "step 1 s", "run wall s",
