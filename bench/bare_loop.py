@@ -174,6 +174,8 @@ def main(argv=None) -> None:
                                    ignore_index=IGNORE, reduction="sum")
             (loss * scale).backward()
             loss_acc += loss.detach().double()
+        # Host clock: on a GPU, compute_s and optimizer_s are launch time only; step_time_s (after the
+        # per-step sync below) is the number to compare there.
         began_optimizer = time.perf_counter()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
         optimizer.step()

@@ -101,7 +101,7 @@ def fmt(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
-def run_check(root: str, store, args, size: dict, use_gpu: bool) -> list[list]:
+def run_check(root: str, store, args, size: dict, use_gpu: bool) -> tuple[list[list], int]:
     import ray
 
     from app.data.prepare import prepare_dataset
