@@ -54,6 +54,13 @@ class PrepareConfig(_Strict):
     rows_per_shard: int = Field(1024, gt=0)
     max_bad_records: int = Field(100, ge=0)
     tokenize_batch_size: int = Field(256, gt=0)
+    # Where tokenizing runs. "local": in this process, on a thread per core (the Rust tokenizer
+    # releases the GIL); no Ray start-up, so it wins on inputs one machine tokenizes in seconds to
+    # minutes. "ray": a Ray Data actor pool across the cluster, for corpora that need more than one
+    # machine. "auto": local up to local_max_input_mb of input files, else ray.
+    engine: Literal["auto", "local", "ray"] = "auto"
+    local_max_input_mb: float = Field(256.0, ge=0)
+    local_threads: Optional[int] = Field(None, gt=0, description="local engine; default: this process's usable cores")
     num_tokenizer_actors: int = Field(2, gt=0)
     overwrite: bool = False
 

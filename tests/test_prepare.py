@@ -1,4 +1,6 @@
-"""The prepare stage end to end: a real S3 endpoint, a real Ray cluster, a real tokenizer."""
+"""The prepare stage end to end: a real S3 endpoint, a real Ray cluster, a real tokenizer.
+
+The ray engine's run is the reference; the local engine must give the same shards, byte for byte."""
 
 from __future__ import annotations
 
@@ -14,8 +16,9 @@ import pytest
 from app.config import JobConfig, build_config
 from app.data.packing import IGNORE_INDEX, encode_texts
 from app.data.prepare import (
-    BATCHES_PER_BLOCK, DOCUMENT_SCHEMA, DatasetError, PrepareError, TokenizeDocuments, TokenizerSpec,
-    encode_with_backend, export_backend, load_backend, load_manifest, load_tokenizer, prepare_dataset, shard_uris,
+    BATCHES_PER_BLOCK, DOCUMENT_SCHEMA, DatasetError, InputFiles, PrepareError, TokenizeDocuments, TokenizerSpec,
+    choose_engine, encode_with_backend, export_backend, load_backend, load_manifest, load_tokenizer, prepare_dataset,
+    shard_uris,
 )
 from app.storage import Store
 from app.tiny import build_corpus, save_tiny_base
@@ -119,7 +122,7 @@ def prepared(store, tokenizer, text_docs, ray_cluster):
     store.write_text("s3://eft/raw/text/part-0.jsonl", "".join(json.dumps({"text": d}) + "\n"
                                                               for d in text_docs["part-0.jsonl"]))
     store.write_text("s3://eft/raw/text/notes.txt", "not an input file\n")
-    cfg = make_config(data_uri, "s3://eft/raw/text/")
+    cfg = make_config(data_uri, "s3://eft/raw/text/", engine="ray")
     manifest = prepare_dataset(cfg, store)
     shards = {split: read_shards(store, data_uri, manifest, split) for split in ("train", "validation")}
     return cfg, manifest, shards
@@ -135,13 +138,16 @@ def test_manifest_describes_the_dataset(store, tokenizer, prepared, text_docs):
         tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id)
     assert tok["vocab_size"] == len(tokenizer)
     assert manifest["source"] == {"input_uri": "s3://eft/raw/text/", "input_format": "jsonl", "format": "text",
-                                  "files": ["part-0.jsonl", "part-1.jsonl"]}
+                                  "files": ["part-0.jsonl", "part-1.jsonl"],
+                                  "bytes": sum(len(store.read_bytes(f"s3://eft/raw/text/{name}"))
+                                               for name in ("part-0.jsonl", "part-1.jsonl"))}
     n_docs = sum(len(d) for d in text_docs.values())
     records = manifest["records"]
     assert (records["read"], records["used"], records["skipped"]) == (n_docs + 3, n_docs, 3)
     assert records["skipped_by_reason"] == {"bad JSON": 1, "missing field 'text'": 1, "empty text": 1}
     assert records["skipped_examples"] == EXPECTED_SKIPS
     assert manifest["stats"]["wall_s"] > 0 and manifest["stats"]["tokens_per_s"] > 0
+    assert manifest["stats"]["engine"] == "ray"
 
 
 def test_shards_have_contiguous_row_ids_and_the_declared_schema(prepared):
@@ -183,15 +189,7 @@ def shard_layout(split: dict) -> list[tuple[int, int]]:
     return [(shard["rows"], shard["row_id_start"]) for shard in split["shards"]]
 
 
-def test_files_cut_into_many_blocks_over_two_actors_give_the_same_dataset(store, prepared, text_docs):
-    """Block boundaries and the number of tokenizer actors never show in the output: with 2-document
-    tokenizer batches every file spans several blocks, spread over two actors, and the shards, line
-    numbers of skipped records and the validation split come out as in `prepared` (one block per file)."""
-    _, first, first_shards = prepared
-    assert BATCHES_PER_BLOCK * 2 < min(len(docs) for docs in text_docs.values())
-    data_uri = "s3://eft/data/text-blocks"
-    cfg = make_config(data_uri, "s3://eft/raw/text/", tokenize_batch_size=2, num_tokenizer_actors=2)
-    manifest = prepare_dataset(cfg, store)
+def assert_same_dataset(store: Store, data_uri: str, manifest: dict, first: dict, first_shards: dict) -> None:
     assert manifest["records"] == first["records"]
     for split in ("train", "validation"):
         old, new = first["splits"][split], manifest["splits"][split]
@@ -200,6 +198,38 @@ def test_files_cut_into_many_blocks_over_two_actors_give_the_same_dataset(store,
         for old_table, new_table in zip(first_shards[split], read_shards(store, data_uri, manifest, split),
                                         strict=True):
             assert new_table.equals(old_table)
+
+
+def test_files_cut_into_many_blocks_over_two_actors_give_the_same_dataset(store, prepared, text_docs):
+    """Block boundaries and the number of tokenizer actors never show in the output: with 2-document
+    tokenizer batches every file spans several blocks, spread over two actors, and the shards, line
+    numbers of skipped records and the validation split come out as in `prepared` (one block per file)."""
+    _, first, first_shards = prepared
+    assert BATCHES_PER_BLOCK * 2 < min(len(docs) for docs in text_docs.values())
+    data_uri = "s3://eft/data/text-blocks"
+    cfg = make_config(data_uri, "s3://eft/raw/text/", tokenize_batch_size=2, num_tokenizer_actors=2, engine="ray")
+    assert_same_dataset(store, data_uri, prepare_dataset(cfg, store), first, first_shards)
+
+
+def test_the_local_engine_gives_the_ray_engines_dataset_and_auto_picks_it_for_small_inputs(store, prepared):
+    """Tokenizing in this process on 3 threads, 2-document blocks finishing out of order, changes
+    nothing in the shards, the skipped records' line numbers or the split."""
+    _, first, first_shards = prepared
+    data_uri = "s3://eft/data/text-local"
+    cfg = make_config(data_uri, "s3://eft/raw/text/", tokenize_batch_size=2, local_threads=3)
+    assert cfg.prepare.engine == "auto"
+    manifest = prepare_dataset(cfg, store)
+    assert manifest["stats"]["engine"] == "local"
+    assert_same_dataset(store, data_uri, manifest, first, first_shards)
+
+
+def test_auto_picks_the_engine_by_input_size():
+    def engine(total_bytes: int, **prepare) -> str:
+        return choose_engine(make_config("s3://b/d", "s3://b/raw", **prepare), InputFiles(None, "", ["x"], total_bytes))
+
+    assert engine(256 * 2**20) == "local" and engine(256 * 2**20 + 1) == "ray"
+    assert engine(10**6, local_max_input_mb=0.5) == "ray" and engine(0, local_max_input_mb=0) == "local"
+    assert engine(10**12, engine="local") == "local" and engine(1, engine="ray") == "ray"
 
 
 def test_rerun_without_overwrite_fails(prepared):
@@ -226,16 +256,18 @@ def test_overwrite_is_deterministic_and_removes_old_shards(store, prepared):
     assert [d for d in store.list_dirs(cfg.data.uri) if d.startswith("shards-")] == [new_dir]
 
 
-def test_too_many_bad_records_fail_naming_the_first_and_commit_nothing(store, tokenizer, text_docs, ray_cluster):
-    data_uri = "s3://eft/data/too-bad"
+@pytest.mark.parametrize("engine", ["ray", "local"])
+def test_too_many_bad_records_fail_naming_the_first_and_commit_nothing(store, tokenizer, text_docs, ray_cluster,
+                                                                       engine):
+    data_uri = f"s3://eft/data/too-bad-{engine}"
     write_jsonl_with_bad_lines(store, "s3://eft/raw/too-bad/part-1.jsonl", text_docs["part-1.jsonl"][:6])
-    cfg = make_config(data_uri, "s3://eft/raw/too-bad/part-1.jsonl", max_bad_records=2)
+    cfg = make_config(data_uri, "s3://eft/raw/too-bad/part-1.jsonl", max_bad_records=2, engine=engine)
     with pytest.raises(PrepareError, match=r"max_bad_records=2 .*first: part-1.jsonl:3 bad JSON; "
                                            r"part-1.jsonl:6 missing field 'text'"):
         prepare_dataset(cfg, store)
     assert not store.exists(f"{data_uri}/manifest.json")
     assert store.list_files(data_uri) == []
-    with pytest.raises(DatasetError, match=r"no committed dataset at s3://eft/data/too-bad: manifest.json missing"):
+    with pytest.raises(DatasetError, match=rf"no committed dataset at {data_uri}: manifest.json missing"):
         load_manifest(store, data_uri)
 
 
@@ -255,7 +287,7 @@ def test_parquet_instruction_input_masks_prompts(store, tokenizer, corpus, ray_c
     with fs.open_output_stream(path) as out:
         pq.write_table(table, out, row_group_size=5)
     cfg = make_config("s3://eft/data/pq", "s3://eft/raw/pq", input_format="parquet", format="instruction",
-                      prompt_field="question", response_field="answer")
+                      prompt_field="question", response_field="answer", engine="ray")
     cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"validation_fraction": 0.0})})
     manifest = prepare_dataset(cfg, store)
     assert manifest["source"]["files"] == ["data.parquet"]
@@ -273,6 +305,22 @@ def test_parquet_instruction_input_masks_prompts(store, tokenizer, corpus, ray_c
     assert ids.tolist() == expected_ids
     assert labels.tolist() == expected_labels
     assert train["label_tokens"] == sum(1 for x in expected_labels if x != IGNORE_INDEX) < train["tokens"]
+    # The local engine numbers Parquet rows the same way across its own (3-row) blocks.
+    local = cfg.model_copy(update={"data": cfg.data.model_copy(update={"uri": "s3://eft/data/pq-local"}),
+                                   "prepare": cfg.prepare.model_copy(update={"engine": "local",
+                                                                             "tokenize_batch_size": 3})})
+    local_manifest = prepare_dataset(local, store)
+    assert local_manifest["records"] == manifest["records"]
+    assert read_split(store, local.data.uri, local_manifest, "train").equals(
+        read_split(store, cfg.data.uri, manifest, "train"))
+
+
+def test_the_local_engine_names_an_input_file_that_is_not_parquet(store, tokenizer):
+    store.write_text("s3://eft/raw/bad-pq/ok-name.parquet", "not parquet at all")
+    cfg = make_config("s3://eft/data/bad-pq", "s3://eft/raw/bad-pq/", input_format="parquet")
+    with pytest.raises(PrepareError, match=r"^input file eft/raw/bad-pq/ok-name.parquet is not valid Parquet"):
+        prepare_dataset(cfg, store)
+    assert store.list_files("s3://eft/data/bad-pq") == []
 
 
 # -- the tokenizer in the actors ----------------------------------------------------------

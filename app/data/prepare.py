@@ -1,11 +1,18 @@
-"""The `prepare` stage: raw JSONL/Parquet → packed Parquet shards + manifest.json (a Ray Data job).
+"""The `prepare` stage: raw JSONL/Parquet → packed Parquet shards + manifest.json.
 
-Ray Data reads the input files and parses records in tasks, which cut them into blocks of a
-few tokenizer batches; an actor pool tokenizes the blocks (the tokenizer is loaded once per
-actor), and the driver consumes the tokenized documents in input order while later blocks are
-still being tokenized: it assigns each one to train or validation by a stable hash of its source
-position, packs each split into `seq_len` rows and writes Parquet shards. Block boundaries never
-show in the output: documents are packed as one stream, in input order.
+Input files are read and parsed into blocks of documents, the blocks are tokenized, and the
+driver consumes the tokenized documents in input order while later blocks are still being
+tokenized: it assigns each one to train or validation by a stable hash of its source position,
+packs each split into `seq_len` rows and writes Parquet shards. Block boundaries never show in
+the output: documents are packed as one stream, in input order.
+
+Two engines run the read/parse/tokenize part, with the same functions and the same output:
+- "ray": Ray Data reads and parses the files in tasks, which cut them into blocks of a few
+  tokenizer batches, and an actor pool tokenizes them (the tokenizer loaded once per actor).
+  It scales past one machine but costs seconds of start-up and some per-block overhead.
+- "local": the driver parses the files itself and a thread per core tokenizes the blocks (the
+  Rust tokenizer releases the GIL). No start-up cost: the right choice for anything one
+  machine tokenizes in minutes, which `prepare.engine: auto` takes to mean local_max_input_mb.
 
 The dataset is committed-or-absent: shards go under a fresh `shards-<id>/` prefix and
 `manifest.json`, written last, is the commit. Readers only ever follow the manifest, so a
@@ -14,18 +21,21 @@ crashed or failed run leaves at most an unreferenced prefix, which the next run 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime as dt
 import hashlib
 import json
 import logging
+import os
 import posixpath
 import time
 import uuid
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple, Optional
+from typing import Any, Iterable, Iterator, NamedTuple, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -110,22 +120,30 @@ def shard_uris(data_uri: str, manifest: dict, split: str) -> list[str]:
 
 # -- listing inputs ---------------------------------------------------------------------
 
-def list_input_files(store: Store, input_uri: str, input_format: str) -> tuple[pafs.FileSystem, str, list[str]]:
-    """(filesystem, base path, sorted file paths). A file URI is used as is; a prefix is
-    searched recursively for files with the format's extensions."""
+class InputFiles(NamedTuple):
+    fs: pafs.FileSystem
+    base: str  # source names in the manifest and in bad-record reports are relative to it
+    paths: list[str]  # sorted: the order documents are packed in
+    total_bytes: int
+
+
+def list_input_files(store: Store, input_uri: str, input_format: str) -> InputFiles:
+    """A file URI is used as is; a prefix is searched recursively for files with the format's
+    extensions."""
     fs, path = store.resolve(input_uri)
     info = fs.get_file_info(path)
     if info.type == pafs.FileType.File:
-        return fs, posixpath.dirname(path), [path]
-    files: list[str] = []
+        return InputFiles(fs, posixpath.dirname(path), [path], info.size or 0)
+    found: list[pafs.FileInfo] = []
     if info.type == pafs.FileType.Directory:
         selector = pafs.FileSelector(path, recursive=True, allow_not_found=True)
-        files = sorted(i.path for i in fs.get_file_info(selector)
-                       if i.type == pafs.FileType.File and i.path.endswith(INPUT_EXTENSIONS[input_format]))
-    if not files:
+        found = sorted((i for i in fs.get_file_info(selector)
+                        if i.type == pafs.FileType.File and i.path.endswith(INPUT_EXTENSIONS[input_format])),
+                       key=lambda i: i.path)
+    if not found:
         exts = "/".join(INPUT_EXTENSIONS[input_format])
         raise PrepareError(f"no {input_format} input files ({exts}) at {input_uri}")
-    return fs, path, files
+    return InputFiles(fs, path, [i.path for i in found], sum(i.size or 0 for i in found))
 
 
 def relative_source(path: str, base: str) -> str:
@@ -133,7 +151,7 @@ def relative_source(path: str, base: str) -> str:
     return path[len(prefix):] if path.startswith(prefix) else posixpath.basename(path)
 
 
-# -- Ray stages (run in tasks and actors) -------------------------------------------------
+# -- parse and tokenize (both engines: in Ray tasks and actors, or in this process) ---------
 
 def build_document_table(rows: list[tuple[str, int, Any]], fields: dict) -> pa.Table:
     """(source, line, decoded record or Skip) rows → a DOCUMENT_SCHEMA table."""
@@ -255,39 +273,130 @@ def encode_with_backend(backend, texts: list[str]) -> list[list[int]]:
     return [encoding.ids for encoding in backend.encode_batch(texts, add_special_tokens=False)]
 
 
-def read_documents(cfg: JobConfig, fs: pafs.FileSystem, base: str, files: list[str], rows_per_block: int):
+def document_fields(cfg: JobConfig) -> dict:
+    p = cfg.prepare
+    return {"fmt": p.format, "text_field": p.text_field, "prompt_field": p.prompt_field,
+            "response_field": p.response_field}
+
+
+# -- the ray engine ----------------------------------------------------------------------------
+
+def read_documents(cfg: JobConfig, inputs: InputFiles, rows_per_block: int):
     """The input files as a Ray Dataset of DOCUMENT_SCHEMA blocks of at most `rows_per_block` rows."""
     import ray.data
 
-    p = cfg.prepare
-    fields = {"fmt": p.format, "text_field": p.text_field, "prompt_field": p.prompt_field,
-              "response_field": p.response_field}
-    if p.input_format == "jsonl":
+    fields, base = document_fields(cfg), inputs.base
+    if cfg.prepare.input_format == "jsonl":
         # One read task per file (up to MAX_READ_TASKS), each fused with parsing its files and cutting
         # them into blocks: a split read (Ray's default below its target number of blocks) or a fixed
         # batch size would stop the fusion and cost a task, a worker and a copy of the file more.
-        ds = ray.data.read_binary_files(files, filesystem=fs, include_paths=True,
-                                        override_num_blocks=min(len(files), MAX_READ_TASKS))
+        ds = ray.data.read_binary_files(inputs.paths, filesystem=inputs.fs, include_paths=True,
+                                        override_num_blocks=min(len(inputs.paths), MAX_READ_TASKS))
         ds = ds.map_batches(parse_jsonl_files, batch_size=None, batch_format="numpy",
                             fn_kwargs={"base": base, "fields": fields, "rows_per_block": rows_per_block})
     else:
-        ds = ray.data.read_parquet(files, filesystem=fs, include_paths=True)
+        ds = ray.data.read_parquet(inputs.paths, filesystem=inputs.fs, include_paths=True)
         ds = ds.map_batches(parse_parquet_rows, batch_format="pyarrow", fn_kwargs={"base": base, "fields": fields})
     # A file's documents come out of one task; cutting them into blocks (in the same task: streaming
     # repartition fuses with the map before it) is what spreads them over the tokenizer actors.
     return ds.repartition(target_num_rows_per_block=rows_per_block)
 
 
-def build_token_dataset(cfg: JobConfig, fs: pafs.FileSystem, base: str, files: list[str], tokenizer: TokenizerSpec):
+def build_token_dataset(cfg: JobConfig, inputs: InputFiles, tokenizer: TokenizerSpec):
     import ray.data
 
     p = cfg.prepare
-    ds = read_documents(cfg, fs, base, files, BATCHES_PER_BLOCK * p.tokenize_batch_size)
+    ds = read_documents(cfg, inputs, BATCHES_PER_BLOCK * p.tokenize_batch_size)
     return ds.map_batches(
         TokenizeDocuments, batch_size=p.tokenize_batch_size, batch_format="pyarrow",
         compute=ray.data.ActorPoolStrategy(size=p.num_tokenizer_actors), num_cpus=TOKENIZER_NUM_CPUS,
         fn_constructor_args=(tokenizer,),
     )
+
+
+def iter_ray_tokenized(cfg: JobConfig, inputs: InputFiles, tokenizer: TokenizerSpec) -> Iterator[pa.Table]:
+    import ray
+
+    if not ray.is_initialized():
+        ray.init()
+    with preserving_order():
+        yield from build_token_dataset(cfg, inputs, tokenizer).iter_batches(batch_format="pyarrow", batch_size=None)
+
+
+# -- the local engine --------------------------------------------------------------------------
+
+def read_input_file(inputs: InputFiles, path: str) -> pa.Buffer:
+    try:
+        with inputs.fs.open_input_stream(path) as stream:
+            return stream.read_buffer()
+    except OSError as err:
+        raise PrepareError(f"cannot read input file {path}: {err}") from None
+
+
+def iter_local_documents(cfg: JobConfig, inputs: InputFiles, rows_per_block: int) -> Iterator[pa.Table]:
+    """read_documents' blocks in this process, file by file: the same parse functions, the same rows."""
+    fields, base = document_fields(cfg), inputs.base
+    for path in inputs.paths:
+        if cfg.prepare.input_format == "jsonl":
+            batch = {"bytes": [read_input_file(inputs, path).to_pybytes()], "path": [path]}
+            yield from parse_jsonl_files(batch, base, fields, rows_per_block)
+            continue
+        try:
+            batches = pq.ParquetFile(pa.BufferReader(read_input_file(inputs, path))).iter_batches(rows_per_block)
+            for rows in batches:
+                table = pa.Table.from_batches([rows]).append_column("path", pa.array([path] * rows.num_rows))
+                yield parse_parquet_rows(table, base, fields)
+        except pa.ArrowInvalid as err:
+            raise PrepareError(f"input file {path} is not valid Parquet: {err}") from None
+
+
+def cgroup_cpu_limit() -> Optional[float]:
+    """The container's CPU quota in cores (cgroup v2 `cpu.max`, else v1 CFS), None if unlimited. In a
+    Kubernetes pod the affinity mask is the whole host, so the quota is the real number of cores."""
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read_text())
+        return None if quota <= 0 else quota / int(Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def local_thread_count(cfg: JobConfig) -> int:
+    if cfg.prepare.local_threads:
+        return cfg.prepare.local_threads
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    limit = cgroup_cpu_limit()
+    return max(1, min(cores, int(limit + 0.5))) if limit else cores
+
+
+def iter_local_tokenized(cfg: JobConfig, inputs: InputFiles, tokenizer: TokenizerSpec) -> Iterator[pa.Table]:
+    """Blocks tokenized on a thread pool, yielded in input order. The caller's thread parses the next
+    blocks and packs the finished ones meanwhile; a bounded look-ahead keeps memory at a few blocks."""
+    threads = local_thread_count(cfg)
+    tokenize = TokenizeDocuments(tokenizer)
+    pending: collections.deque = collections.deque()
+    with ThreadPoolExecutor(threads, thread_name_prefix="eft-tokenize") as pool:
+        try:
+            for block in iter_local_documents(cfg, inputs, cfg.prepare.tokenize_batch_size):
+                pending.append(pool.submit(tokenize, block))
+                if len(pending) > 2 * threads:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for future in pending:
+                future.cancel()
+
+
+def choose_engine(cfg: JobConfig, inputs: InputFiles) -> str:
+    p = cfg.prepare
+    if p.engine != "auto":
+        return p.engine
+    return "local" if inputs.total_bytes <= p.local_max_input_mb * 2**20 else "ray"
 
 
 @contextlib.contextmanager
@@ -528,8 +637,8 @@ def check_not_prepared(cfg: JobConfig, store: Store) -> None:
 
 # -- the job --------------------------------------------------------------------------------
 
-def build_manifest(cfg: JobConfig, tokenizer: dict, files: list[str], base: str, splits: dict[str, dict],
-                   consumer: DocumentConsumer, bad: BadRecords, wall_s: float) -> dict:
+def build_manifest(cfg: JobConfig, tokenizer: dict, inputs: InputFiles, splits: dict[str, dict],
+                   consumer: DocumentConsumer, bad: BadRecords, engine: str, wall_s: float) -> dict:
     tokens = sum(s["tokens"] for s in splits.values())
     return {
         "format_version": FORMAT_VERSION,
@@ -537,27 +646,30 @@ def build_manifest(cfg: JobConfig, tokenizer: dict, files: list[str], base: str,
         "created_at": dt.datetime.now(dt.timezone.utc).isoformat(),
         "tokenizer": tokenizer,
         "source": {"input_uri": cfg.prepare.input_uri, "input_format": cfg.prepare.input_format,
-                   "format": cfg.prepare.format, "files": [relative_source(f, base) for f in files]},
+                   "format": cfg.prepare.format, "files": [relative_source(f, inputs.base) for f in inputs.paths],
+                   "bytes": inputs.total_bytes},
         "splits": splits,
         "records": {"read": consumer.read, "used": consumer.used, "skipped": bad.count,
                     "skipped_by_reason": dict(bad.by_reason), "skipped_examples": bad.examples},
-        "stats": {"wall_s": round(wall_s, 3), "tokens_per_s": round(tokens / wall_s, 1) if wall_s > 0 else 0.0},
+        "stats": {"engine": engine, "wall_s": round(wall_s, 3),
+                  "tokens_per_s": round(tokens / wall_s, 1) if wall_s > 0 else 0.0},
     }
 
 
-def stream_documents(ds, consumer: DocumentConsumer) -> None:
-    last_log = time.monotonic()
-    for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
+def stream_documents(batches: Iterable[pa.Table], consumer: DocumentConsumer, total_bytes: int) -> None:
+    started = last_log = time.monotonic()
+    for batch in batches:
         consumer.add_batch(batch)
         if time.monotonic() - last_log > LOG_EVERY_S:
             last_log = time.monotonic()
-            log.info("prepare: %d records read, %d skipped, %d train rows written",
-                     consumer.read, consumer.bad.count, consumer.splits["train"].writer.rows)
+            tokens = sum(split.tokens for split in consumer.splits.values())
+            log.info("prepare: %d records read (%d skipped), %d train rows written, %.0f tokens/s, input %.0f MB",
+                     consumer.read, consumer.bad.count, consumer.splits["train"].writer.rows,
+                     tokens / (last_log - started), total_bytes / 1e6)
 
 
-def write_dataset(cfg: JobConfig, store: Store, fs: pafs.FileSystem, base: str, files: list[str],
-                  shard_dir: str, pad_id: int, tokenizer: TokenizerSpec,
-                  ) -> tuple[dict[str, dict], DocumentConsumer, BadRecords]:
+def write_dataset(cfg: JobConfig, store: Store, inputs: InputFiles, engine: str, shard_dir: str, pad_id: int,
+                  tokenizer: TokenizerSpec) -> tuple[dict[str, dict], DocumentConsumer, BadRecords]:
     data_fs, data_path = store.resolve(cfg.data.uri)
     splits = {name: SplitBuilder(cfg.data.seq_len, pad_id,
                                  ShardWriter(data_fs, data_path, shard_dir, name, cfg.prepare.rows_per_shard,
@@ -565,32 +677,31 @@ def write_dataset(cfg: JobConfig, store: Store, fs: pafs.FileSystem, base: str, 
               for name in SPLITS}
     bad = BadRecords(cfg.prepare.max_bad_records, cfg.prepare.input_uri)
     consumer = DocumentConsumer(cfg, splits, bad)
-    with preserving_order():
-        stream_documents(build_token_dataset(cfg, fs, base, files, tokenizer), consumer)
+    tokenized = (iter_local_tokenized if engine == "local" else iter_ray_tokenized)(cfg, inputs, tokenizer)
+    stream_documents(tokenized, consumer, inputs.total_bytes)
     return {name: split.finish() for name, split in splits.items()}, consumer, bad
 
 
 def prepare_dataset(cfg: JobConfig, store: Optional[Store] = None) -> dict:
     """Run the prepare job for `cfg` and commit `<data.uri>/manifest.json`; returns the manifest."""
-    import ray
-
     if cfg.prepare is None:
         raise PrepareError("config has no `prepare` section (set prepare.input_uri)")
     store = store or Store.from_config(cfg.storage)
     started = time.monotonic()
     check_not_prepared(cfg, store)
     delete_unreferenced_shards(store, cfg.data.uri, referenced_shard_dirs(read_committed_manifest(store, cfg.data.uri)))
-    fs, base, files = list_input_files(store, cfg.prepare.input_uri, cfg.prepare.input_format)
+    inputs = list_input_files(store, cfg.prepare.input_uri, cfg.prepare.input_format)
     hf_tokenizer = load_tokenizer(store, cfg.tokenizer_uri)
     tokenizer = describe_tokenizer(cfg, store, hf_tokenizer)
     spec = tokenizer_spec(cfg, store, hf_tokenizer, tokenizer)
-    if not ray.is_initialized():
-        ray.init()
+    engine = choose_engine(cfg, inputs)
     shard_dir = f"{SHARDS_PREFIX}{uuid.uuid4().hex[:12]}"
-    log.info("prepare: %d %s file(s) from %s → %s/%s", len(files), cfg.prepare.input_format,
-             cfg.prepare.input_uri, cfg.data.uri, shard_dir)
+    log.info("prepare: %d %s file(s), %.1f MB, from %s → %s/%s on the %s engine%s", len(inputs.paths),
+             cfg.prepare.input_format, inputs.total_bytes / 1e6, cfg.prepare.input_uri, cfg.data.uri, shard_dir,
+             engine, f" ({local_thread_count(cfg)} threads)" if engine == "local"
+             else f" ({cfg.prepare.num_tokenizer_actors} tokenizer actors)")
     try:
-        splits, consumer, bad = write_dataset(cfg, store, fs, base, files, shard_dir, tokenizer["pad_token_id"], spec)
+        splits, consumer, bad = write_dataset(cfg, store, inputs, engine, shard_dir, tokenizer["pad_token_id"], spec)
         if not splits["train"]["rows"]:
             raise PrepareError(f"no training rows from {cfg.prepare.input_uri} ({consumer.read} records read, "
                                f"{bad.count} skipped, {consumer.used} used, "
@@ -598,7 +709,7 @@ def prepare_dataset(cfg: JobConfig, store: Optional[Store] = None) -> dict:
     except BaseException:
         store.delete_prefix(join(cfg.data.uri, shard_dir))
         raise
-    manifest = build_manifest(cfg, tokenizer, files, base, splits, consumer, bad, time.monotonic() - started)
+    manifest = build_manifest(cfg, tokenizer, inputs, splits, consumer, bad, engine, time.monotonic() - started)
     store.write_json(manifest_uri(cfg.data.uri), manifest)
     delete_unreferenced_shards(store, cfg.data.uri, {shard_dir})
     log.info("prepare: committed %s: %d train / %d validation rows, %d tokens, %d records skipped",
