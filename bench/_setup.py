@@ -127,13 +127,14 @@ def write_job_yaml(tree: dict, path: Path) -> Path:
 
 
 def prepare(cfg, store) -> dict:
-    """`eft prepare` in-process, on a Ray cluster started (and stopped) around it."""
-    from app.data.prepare import prepare_dataset
-
-    started_here = False
+    """`eft prepare` in-process; the ray engine gets a Ray cluster started (and stopped) around it."""
     import ray
 
-    if not ray.is_initialized():
+    from app.data.prepare import choose_engine, list_input_files, prepare_dataset
+
+    started_here = False
+    inputs = list_input_files(store, cfg.prepare.input_uri, cfg.prepare.input_format)
+    if choose_engine(cfg, inputs) == "ray" and not ray.is_initialized():
         start_ray()
         started_here = True
     try:

@@ -9,7 +9,10 @@ Ray, no S3, no checkpoints, no metrics files.
 
 Single process: `python bench/bare_loop.py ...`. Under `torchrun --nproc_per_node N` (WORLD_SIZE
 > 1) it initializes gloo and applies FSDP2 `fully_shard` per decoder layer and at the root,
-like app/train/model.py, and each rank takes its G/N rows of every step.
+like app/train/model.py, and each rank takes its G/N rows of every step. With `--ray-workers N`
+it starts a local Ray cluster the way `eft train` does and runs the same loop as the training
+function of a Ray Train `TorchTrainer` with N 1-CPU workers (Ray Train sets up gloo): the loop
+of torchrun in the processes of Ray, to tell Ray's cost from eft's.
 
 `--device cuda` runs it on a GPU the way eft resolves precision there: a LoRA base in bf16, full
 fine-tuning with fp32 weights, bf16 autocast for the forward (single process), or FSDP2 with
@@ -49,7 +52,39 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: as the env sets it)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--out", required=True, help="rank 0 writes its per-step timings here (JSON)")
+    p.add_argument("--ray-workers", type=int, default=None, help="run as a Ray Train job with this many workers")
+    p.add_argument("--process-start", type=float, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
+
+
+def ray_train_worker(config: dict) -> None:
+    import ray.train
+
+    ctx = ray.train.get_context()
+    os.environ.update(RANK=str(ctx.get_world_rank()), WORLD_SIZE=str(ctx.get_world_size()))
+    main(config["argv"])
+
+
+def run_under_ray(args, argv: list[str]) -> None:
+    """The driver of --ray-workers: a local Ray as `eft train` starts one (app/train/launch.py)."""
+    import tempfile
+
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    i = argv.index("--ray-workers")
+    worker_argv = argv[:i] + argv[i + 2:] + ["--process-start", str(PROCESS_START)]
+    ray.init(address="local", num_cpus=max(8, 4 * (os.cpu_count() or 2)), include_dashboard=True,
+             log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parent)}})
+    try:
+        with tempfile.TemporaryDirectory(prefix="bare-loop-ray-") as storage:
+            TorchTrainer(ray_train_worker, train_loop_config={"argv": worker_argv},
+                         scaling_config=ScalingConfig(num_workers=args.ray_workers, resources_per_worker={"CPU": 1}),
+                         torch_config=TorchConfig(backend="gloo"),
+                         run_config=RunConfig(storage_path=storage, name="bare-loop")).fit()
+    finally:
+        ray.shutdown()
 
 
 def load_rows(data_dir: Path, manifest: dict):
@@ -76,6 +111,8 @@ def decoder_blocks(model):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.ray_workers:
+        return run_under_ray(args, list(sys.argv[1:] if argv is None else argv))
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -93,7 +130,8 @@ def main(argv=None) -> None:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if on_gpu else torch.device("cpu")
     if on_gpu:
         torch.cuda.set_device(device)
-    if world > 1:
+    own_group = world > 1 and not dist.is_initialized()  # Ray Train sets up its workers' group itself
+    if own_group:
         dist.init_process_group("nccl" if on_gpu else "gloo")
 
     data_dir = Path(args.data_dir)
@@ -193,13 +231,13 @@ def main(argv=None) -> None:
         mark = now
     if rank == 0:
         Path(args.out).write_text(json.dumps({
-            "process_start": PROCESS_START, "first_step_end": first_step_end, "world_size": world,
+            "process_start": args.process_start or PROCESS_START, "first_step_end": first_step_end, "world_size": world,
             "torch_threads": torch.get_num_threads(), "global_batch": args.global_batch,
             "micro_batch": args.micro_batch, "accum": accum, "seq_len": int(all_inputs.shape[1]),
             "trainable_params": sum(p.numel() for p in params),
             "total_params": sum(p.numel() for p in model.parameters()), "steps": records,
         }, indent=1))
-    if world > 1:
+    if own_group:
         dist.destroy_process_group()
 
 

@@ -1,11 +1,14 @@
 """Framework overhead: steady-state tokens/s and time to first step of `eft train` (Ray Data +
 Ray Train + FSDP2, 2 CPU workers) vs the same model, global batch and rows in a bare PyTorch
 loop (bench/bare_loop.py), once as one process and once under `torchrun --nproc_per_node 2`
-(FSDP2, gloo). Target: eft ≥ 0.90 of the torchrun loop at steady state.
+(FSDP2, gloo), and under Ray Train (the torchrun loop as a `TorchTrainer` training function, 2 x
+1-CPU workers, on a local Ray started as `eft train` starts it: `bare_loop.py --ray-workers 2`),
+which splits eft's gap to torchrun into what Ray's processes cost the same loop and what eft's
+loop, data stream and records add on top. Target: eft ≥ 0.90 of the torchrun loop at steady state.
 
     .venv/bin/python bench/overhead.py [--steps 20] [--rounds 2] [--full]
 
-Every variant is a fresh process, run in turn (eft, torchrun, bare, eft, torchrun, bare, ...)
+Every variant is a fresh process, run in turn (eft, torchrun, ray-bare, bare, eft, torchrun, ...)
 so that load drift hits all of them; the table gives the median over rounds and the per-round
 ratios. eft runs as `eft train CONFIG` through the CLI with RAY_ADDRESS unset, so it starts
 (and stops) its own local Ray: no Ray process is up while the baselines run, and eft's time to
@@ -38,7 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import _setup as S  # noqa: E402
 from bench.common import markdown_table, save_result  # noqa: E402
 
-VARIANTS = ("eft", "torchrun", "bare")
+VARIANTS = ("eft", "torchrun", "ray-bare", "bare")
+LABELS = {"eft": "eft", "torchrun": "torchrun (bare loop)", "ray-bare": "bare loop in Ray Train",
+          "bare": "bare loop, 1 process"}
 
 
 def run_eft(store, tree: dict, work: Path, name: str) -> dict:
@@ -69,7 +74,8 @@ def steady_rest(steps: list[dict]) -> float:
     return S.median(s["step_time_s"] - s["compute_s"] - s["optimizer_s"] for s in S.second_half(steps))
 
 
-def run_bare(tree: dict, model_dir: Path, data_dir: Path, work: Path, name: str, world: int) -> dict:
+def run_bare(tree: dict, model_dir: Path, data_dir: Path, work: Path, name: str, world: int,
+             under_ray: bool = False) -> dict:
     t = tree["training"]
     loop = [str(Path(__file__).resolve().parent / "bare_loop.py"), "--model-dir", str(model_dir), "--data-dir",
             str(data_dir), "--steps", str(t["max_steps"]), "--global-batch", str(t["global_batch_size"]),
@@ -79,6 +85,8 @@ def run_bare(tree: dict, model_dir: Path, data_dir: Path, work: Path, name: str,
         loop += ["--lora", json.dumps(tree["lora"])]
     if world == 1:
         cmd, env = [S.PYTHON, *loop, "--threads", "2"], S.child_env(threads=2)
+    elif under_ray:
+        cmd, env = [S.PYTHON, *loop, "--ray-workers", str(world)], S.child_env(threads=1)
     else:
         cmd = [str(S.VENV_BIN / "torchrun"), "--standalone", "--nproc_per_node", str(world), *loop]
         env = S.child_env(threads=1)
@@ -126,7 +134,8 @@ def main() -> None:
                 if v == "eft":
                     res = run_eft(store, tree, work, name)
                 else:
-                    res = run_bare(tree, model_dir, data_dir, work, name, world=2 if v == "torchrun" else 1)
+                    res = run_bare(tree, model_dir, data_dir, work, name, world=1 if v == "bare" else 2,
+                                   under_ray=v == "ray-bare")
                 print(f"  {v}: {res['steady_tokens_per_s']:,.0f} tok/s, first step after "
                       f"{res['time_to_first_step_s']:.1f}s, loss {res['loss_step1']:.4f} → {res['loss_last']:.4f}",
                       flush=True)
@@ -136,15 +145,16 @@ def main() -> None:
     keys = ("steady_tokens_per_s", "steady_step_s", "compute_s", "optimizer_s", "rest_s", "time_to_first_step_s",
             "loss_step1")
     med = {v: {k: S.median(r[k] for r in runs[v]) for k in keys} for v in VARIANTS}
-    per_round = [{"eft/torchrun": runs["eft"][i]["steady_tokens_per_s"] / runs["torchrun"][i]["steady_tokens_per_s"],
-                  "eft/bare": runs["eft"][i]["steady_tokens_per_s"] / runs["bare"][i]["steady_tokens_per_s"],
-                  "torchrun/bare": runs["torchrun"][i]["steady_tokens_per_s"] / runs["bare"][i]["steady_tokens_per_s"]}
+    pairs = [("eft", "torchrun"), ("eft", "bare"), ("torchrun", "bare"), ("ray-bare", "torchrun"),
+             ("eft", "ray-bare")]
+    per_round = [{f"{a}/{b}": runs[a][i]["steady_tokens_per_s"] / runs[b][i]["steady_tokens_per_s"] for a, b in pairs}
                  for i in range(args.rounds)]
     ratio = {k: S.median(p[k] for p in per_round) for k in per_round[0]}
     target_met = ratio["eft/torchrun"] >= 0.90
     t = tree["training"]
-    vs_torchrun = {"eft": ratio["eft/torchrun"], "torchrun": 1.0, "bare": 1 / ratio["torchrun/bare"]}
-    rows = [[v, S.fmt(med[v]["steady_tokens_per_s"])]
+    vs_torchrun = {"eft": ratio["eft/torchrun"], "torchrun": 1.0, "ray-bare": ratio["ray-bare/torchrun"],
+                   "bare": 1 / ratio["torchrun/bare"]}
+    rows = [[LABELS[v], S.fmt(med[v]["steady_tokens_per_s"])]
             + [S.fmt(med[v][k], 3) for k in ("steady_step_s", "compute_s", "optimizer_s", "rest_s")]
             + [f"{vs_torchrun[v]:.3f}", S.fmt(med[v]["time_to_first_step_s"], 1), f"{med[v]['loss_step1']:.5f}"]
             for v in VARIANTS]
@@ -165,13 +175,19 @@ def main() -> None:
         f"{'met' if target_met else 'NOT met'}); eft / single process: {ratio['eft/bare']:.3f}; "
         f"torchrun / single process: {ratio['torchrun/bare']:.3f}. Per round (eft/torchrun): "
         + ", ".join(f"{p['eft/torchrun']:.3f}" for p in per_round) + ".",
+        f"**Where the gap is:** the torchrun loop itself, run in Ray Train's worker processes, gives "
+        f"**{ratio['ray-bare/torchrun']:.3f}×** torchrun (per round "
+        + ", ".join(f"{p['ray-bare/torchrun']:.3f}" for p in per_round)
+        + f"): that is what Ray's processes cost on these 2 cores. eft over that same loop in Ray Train is "
+        f"**{ratio['eft/ray-bare']:.3f}×** (per round " + ", ".join(f"{p['eft/ray-bare']:.3f}" for p in per_round)
+        + "): what eft's loop, data stream, metrics and heartbeats add.",
         "eft's time to first step, by phase (median s from `eft train` process start): driver_start event "
         f"(imports, preflight, local Ray up) {S.median(r['to_driver_start_s'] for r in eft_phases):.1f}, "
         f"worker_group_start event (Ray Train workers up, model built and loaded) "
         f"{S.median(r['to_worker_group_start_s'] for r in eft_phases):.1f}, first step "
         f"{S.median(r['time_to_first_step_s'] for r in eft_phases):.1f}. eft's steady data wait per step: "
         f"{S.fmt(S.median(r['data_wait_s'] for r in eft_phases), 4)} s.",
-        "Threads: 2 in total everywhere (eft and torchrun: 2 processes x OMP_NUM_THREADS=1, which is what Ray "
+        "Threads: 2 in total everywhere (eft, torchrun and Ray Train: 2 processes x OMP_NUM_THREADS=1, which is what Ray "
         "sets for cpus_per_worker=1; single process: torch.set_num_threads(2)). The same step-1 loss in every "
         "variant shows the same model, adapter init and rows.",
         S.load_note(load_before, load_after),

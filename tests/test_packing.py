@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from app.data.formats import Document, Skip, build_document, parse_jsonl_line
+from app.data.formats import Document, Skip, build_document, parse_jsonl_block, parse_jsonl_line
 from app.data.packing import (
     IGNORE_INDEX, Packer, build_example, build_examples_flat, flatten_token_lists, pack_examples,
     source_key, tokenize_document, tokenize_documents, validation_mask,
@@ -65,6 +65,37 @@ def test_instruction_record_with_custom_fields():
 def test_unknown_format_is_rejected():
     with pytest.raises(ValueError, match="unknown record format"):
         build_document({"text": "x"}, "chat")
+
+
+# Lines Arrow's JSON reader decodes as json.loads does (with the document or skip each gives) ...
+ARROW_READABLE = [
+    b'{"text": "plain"}', b'{"text": null}', b'{"body": 1}', b'{"text": ""}', b'{"text": " \\u00a0\\u2003 "}',
+    b'{"text": "\\u00e9\\ud83d\\ude00 and </s>"}', b'{"text": "2024-01-01"}', b'{"text": "crlf"}\r',
+    b'\xef\xbb\xbf{"text": "a byte-order mark"}', b'{"text": "x", "meta": {"deep": [[1, {"a": null}]], "n": 1.5}}',
+    b'{"instruction": "Why?", "response": "Because."}', b'{"instruction": "", "response": "r"}',
+    b'{"instruction": "q", "response": null}', b'{"response": "r"}',
+]
+# ... and lines it cannot, each of which must send its whole block back to json.loads.
+ARROW_UNREADABLE = [
+    b'{"text": "unterminated', b'{"text": 42}', b'{"text": {"a": 1}}', b'["a", "b"]', b'"just a string"',
+    b'{"text": "x", "text": "y"}', b'{"text": "\xff\xfe"}', b'{"text": "a lone \\ud800 surrogate"}',
+    b'{"text": NaN}', b'{"text": "a",}',
+]
+
+
+@pytest.mark.parametrize("fmt", ["text", "instruction"])
+def test_arrow_parses_a_block_exactly_as_json_loads_or_declines_it(fmt):
+    def line_by_line(lines):
+        return [parse_jsonl_line(line, fmt) for line in lines]
+
+    readable = ARROW_READABLE[:8] + ARROW_READABLE[9:]  # a byte-order mark is only allowed first
+    assert parse_jsonl_block(ARROW_READABLE[8:9] + readable, fmt) == line_by_line(ARROW_READABLE[8:9] + readable)
+    for bad in ARROW_UNREADABLE:
+        if fmt == "instruction":
+            bad = bad.replace(b'"text"', b'"response"')
+        assert parse_jsonl_block([readable[0], bad, readable[1]], fmt) is None, bad
+    skips = {str(p) for p in line_by_line(readable) if isinstance(p, Skip)}
+    assert len(skips) >= 2  # the readable lines do exercise the skip reasons
 
 
 # -- examples ---------------------------------------------------------------------------

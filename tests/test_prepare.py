@@ -17,7 +17,7 @@ from app.config import JobConfig, build_config
 from app.data.packing import IGNORE_INDEX, encode_texts
 from app.data.prepare import (
     BATCHES_PER_BLOCK, DOCUMENT_SCHEMA, DatasetError, InputFiles, PrepareError, TokenizeDocuments, TokenizerSpec,
-    choose_engine, encode_with_backend, export_backend, load_backend, load_manifest, load_tokenizer, prepare_dataset,
+    cgroup_cpu_limit, choose_engine, encode_with_backend, export_backend, load_backend, load_manifest, load_tokenizer, prepare_dataset,
     shard_uris,
 )
 from app.storage import Store
@@ -230,6 +230,22 @@ def test_auto_picks_the_engine_by_input_size():
     assert engine(256 * 2**20) == "local" and engine(256 * 2**20 + 1) == "ray"
     assert engine(10**6, local_max_input_mb=0.5) == "ray" and engine(0, local_max_input_mb=0) == "local"
     assert engine(10**12, engine="local") == "local" and engine(1, engine="ray") == "ray"
+
+
+def test_the_local_engine_counts_the_containers_cpu_quota(tmp_path):
+    v2, v1 = tmp_path / "v2", tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    v2.mkdir()
+    assert cgroup_cpu_limit(v2) is None
+    (v2 / "cpu.max").write_text("max 100000\n")
+    assert cgroup_cpu_limit(v2) is None
+    (v2 / "cpu.max").write_text("250000 100000\n")
+    assert cgroup_cpu_limit(v2) == 2.5
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert cgroup_cpu_limit(v1) is None
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("400000\n")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert cgroup_cpu_limit(v1) == 4.0
 
 
 def test_rerun_without_overwrite_fails(prepared):

@@ -39,7 +39,10 @@ def parse_json_line(line: Union[bytes, str]) -> Union[Any, Skip]:
 
 def read_text_field(record: dict, field: str) -> Union[str, Skip]:
     """A non-empty string field, or why it is unusable (null counts as missing: Parquet has no absent)."""
-    value = record.get(field)
+    return check_text_value(record.get(field), field)
+
+
+def check_text_value(value: Any, field: str) -> Union[str, Skip]:
     if value is None:
         return Skip(f"missing field {field!r}")
     if not isinstance(value, str):
@@ -77,6 +80,42 @@ def build_document(record: Any, fmt: str = "text", text_field: str = "text",
     if fmt == "instruction":
         return build_instruction_document(record, prompt_field, response_field)
     raise ValueError(f"unknown record format {fmt!r} (expected 'text' or 'instruction')")
+
+
+def parse_jsonl_block(lines: list[bytes], fmt: str = "text", text_field: str = "text",
+                      prompt_field: str = "instruction", response_field: str = "response") -> Optional[list[Parsed]]:
+    """Non-blank JSONL lines → one Document or Skip per line, as parse_jsonl_line gives them, decoded
+    by Arrow's JSON reader (C++, outside the GIL: several times faster than json.loads per line).
+
+    Returns None when Arrow cannot read the block exactly as json.loads does, and the caller parses
+    line by line: Arrow rejects the whole block for any line that is bad JSON or not UTF-8, is not an
+    object, repeats a key, or holds a used field that is not a string or null. Only the used fields
+    are read (as strings), so other fields may hold anything."""
+    import pyarrow as pa
+    import pyarrow.json as pa_json
+
+    names = [text_field] if fmt == "text" else [prompt_field, response_field]
+    schema = pa.schema([(name, pa.string()) for name in dict.fromkeys(names)])
+    options = pa_json.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
+    data = b"\n".join(lines)
+    try:
+        table = pa_json.read_json(pa.BufferReader(data), parse_options=options,
+                                  read_options=pa_json.ReadOptions(use_threads=False, block_size=len(data) + 1))
+        # Arrow does not check UTF-8 inside strings; Python's decoding of the columns does.
+        columns = {name: table.column(name).to_pylist() for name in schema.names}
+    except (pa.ArrowInvalid, UnicodeDecodeError):
+        return None
+    if table.num_rows != len(lines):
+        return None
+    if fmt == "text":
+        values = (check_text_value(v, text_field) for v in columns[text_field])
+        return [v if isinstance(v, Skip) else Document(v) for v in values]
+    out: list[Parsed] = []
+    for prompt, response in zip(columns[prompt_field], columns[response_field]):
+        prompt = check_text_value(prompt, prompt_field)
+        response = prompt if isinstance(prompt, Skip) else check_text_value(response, response_field)
+        out.append(response if isinstance(response, Skip) else Document(response, prompt))
+    return out
 
 
 def parse_jsonl_line(line: Union[bytes, str], fmt: str = "text", **fields: str) -> Parsed:

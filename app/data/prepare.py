@@ -35,7 +35,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
-from typing import Any, Iterable, Iterator, NamedTuple, Optional
+from typing import Iterable, Iterator, NamedTuple, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -44,7 +44,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from app.config import JobConfig
-from app.data.formats import Document, Skip, build_document, parse_json_line
+from app.data.formats import Document, Parsed, Skip, build_document, parse_json_line, parse_jsonl_block
 from app.data.packing import IGNORE_INDEX, Packer, encode_documents, encode_texts, source_key, validation_mask
 from app.storage import Store, StorageError, join
 
@@ -153,34 +153,31 @@ def relative_source(path: str, base: str) -> str:
 
 # -- parse and tokenize (both engines: in Ray tasks and actors, or in this process) ---------
 
-def build_document_table(rows: list[tuple[str, int, Any]], fields: dict) -> pa.Table:
-    """(source, line, decoded record or Skip) rows → a DOCUMENT_SCHEMA table."""
-    columns: dict[str, list] = {name: [] for name in DOCUMENT_SCHEMA.names}
-    for source, line, record in rows:
-        parsed = build_document(record, **fields)
-        columns["source"].append(source)
-        columns["line"].append(line)
-        columns["text"].append(parsed.text if isinstance(parsed, Document) else None)
-        columns["prompt"].append(parsed.prompt if isinstance(parsed, Document) else None)
-        columns["reason"].append(parsed.reason if isinstance(parsed, Skip) else None)
-    return pa.table(columns, schema=DOCUMENT_SCHEMA)
+def build_document_table(sources: list[str], lines: list[int], parsed: list[Parsed]) -> pa.Table:
+    """Per-row source, line and Document or Skip → a DOCUMENT_SCHEMA table."""
+    return pa.table({
+        "source": sources, "line": lines,
+        "text": [p.text if isinstance(p, Document) else None for p in parsed],
+        "prompt": [p.prompt if isinstance(p, Document) else None for p in parsed],
+        "reason": [p.reason if isinstance(p, Skip) else None for p in parsed],
+    }, schema=DOCUMENT_SCHEMA)
 
 
 def parse_jsonl_files(batch: dict, base: str, fields: dict, rows_per_block: int) -> Iterator[pa.Table]:
     """Whole JSONL files → one row per non-blank line, numbered from 1 (blank lines are not records).
     Yields `rows_per_block` rows at a time, so the first blocks go to the tokenizers while the rest of a
-    big file is still being parsed."""
+    big file is still being parsed. A block goes through Arrow's JSON reader when it can (see
+    parse_jsonl_block), else json.loads line by line: the same documents and skips either way."""
     for data, path in zip(batch["bytes"], batch["path"]):
         source = relative_source(path, base)
-        rows = []
-        for number, line in enumerate(data.split(b"\n"), start=1):
-            if line.strip():
-                rows.append((source, number, parse_json_line(line)))
-                if len(rows) == rows_per_block:
-                    yield build_document_table(rows, fields)
-                    rows = []
-        if rows:
-            yield build_document_table(rows, fields)
+        numbered = [(number, line) for number, line in enumerate(data.split(b"\n"), start=1) if line.strip()]
+        for start in range(0, len(numbered), rows_per_block):
+            block = numbered[start:start + rows_per_block]
+            lines = [line for _, line in block]
+            parsed = parse_jsonl_block(lines, **fields)
+            if parsed is None:
+                parsed = [build_document(parse_json_line(line), **fields) for line in lines]
+            yield build_document_table([source] * len(block), [number for number, _ in block], parsed)
 
 
 def parse_parquet_rows(batch: pa.Table, base: str, fields: dict) -> pa.Table:
@@ -188,7 +185,7 @@ def parse_parquet_rows(batch: pa.Table, base: str, fields: dict) -> pa.Table:
     and the driver numbers rows per file (blocks arrive in order)."""
     records = batch.drop_columns(["path"]).to_pylist()
     sources = [relative_source(p, base) for p in batch["path"].to_pylist()]
-    return build_document_table([(s, 0, r) for s, r in zip(sources, records)], fields)
+    return build_document_table(sources, [0] * len(sources), [build_document(r, **fields) for r in records])
 
 
 def build_list_array(values: np.ndarray, lengths: np.ndarray) -> pa.ListArray:
@@ -350,17 +347,17 @@ def iter_local_documents(cfg: JobConfig, inputs: InputFiles, rows_per_block: int
             raise PrepareError(f"input file {path} is not valid Parquet: {err}") from None
 
 
-def cgroup_cpu_limit() -> Optional[float]:
+def cgroup_cpu_limit(root: Path = Path("/sys/fs/cgroup")) -> Optional[float]:
     """The container's CPU quota in cores (cgroup v2 `cpu.max`, else v1 CFS), None if unlimited. In a
     Kubernetes pod the affinity mask is the whole host, so the quota is the real number of cores."""
     try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        quota, period = (root / "cpu.max").read_text().split()[:2]
         return None if quota == "max" else int(quota) / int(period)
     except (OSError, ValueError):
         pass
     try:
-        quota = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read_text())
-        return None if quota <= 0 else quota / int(Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text())
+        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        return None if quota <= 0 else quota / int((root / "cpu" / "cpu.cfs_period_us").read_text())
     except (OSError, ValueError):
         return None
 
@@ -381,7 +378,9 @@ def iter_local_tokenized(cfg: JobConfig, inputs: InputFiles, tokenizer: Tokenize
     pending: collections.deque = collections.deque()
     with ThreadPoolExecutor(threads, thread_name_prefix="eft-tokenize") as pool:
         try:
-            for block in iter_local_documents(cfg, inputs, cfg.prepare.tokenize_batch_size):
+            # The ray engine's block size: each block costs two GIL hand-offs between the parsing and
+            # the tokenizing threads, and one encode_batch call of 1,024 documents keeps a core busy.
+            for block in iter_local_documents(cfg, inputs, BATCHES_PER_BLOCK * cfg.prepare.tokenize_batch_size):
                 pending.append(pool.submit(tokenize, block))
                 if len(pending) > 2 * threads:
                     yield pending.popleft().result()
