@@ -223,6 +223,18 @@ def test_the_local_engine_gives_the_ray_engines_dataset_and_auto_picks_it_for_sm
     assert_same_dataset(store, data_uri, manifest, first, first_shards)
 
 
+def test_the_local_engine_on_the_transformers_tokenizer_gives_the_same_dataset(store, prepared, monkeypatch):
+    """A tokenizer class that keeps the transformers encode path (export_backend says None): each of
+    the 3 threads loads its own, and the shards still match."""
+    import app.data.prepare as P
+
+    _, first, first_shards = prepared
+    monkeypatch.setattr(P, "export_backend", lambda tokenizer: None)
+    data_uri = "s3://eft/data/text-local-transformers"
+    cfg = make_config(data_uri, "s3://eft/raw/text/", tokenize_batch_size=2, local_threads=3, engine="local")
+    assert_same_dataset(store, data_uri, prepare_dataset(cfg, store), first, first_shards)
+
+
 def test_auto_picks_the_engine_by_input_size():
     def engine(total_bytes: int, **prepare) -> str:
         return choose_engine(make_config("s3://b/d", "s3://b/raw", **prepare), InputFiles(None, "", ["x"], total_bytes))

@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import posixpath
+import threading
 import time
 import uuid
 from collections import Counter
@@ -374,12 +375,20 @@ def iter_local_tokenized(cfg: JobConfig, inputs: InputFiles, tokenizer: Tokenize
     """Blocks tokenized on a thread pool, yielded in input order. The caller's thread parses the next
     blocks and packs the finished ones meanwhile; a bounded look-ahead keeps memory at a few blocks."""
     threads = local_thread_count(cfg)
-    tokenize = TokenizeDocuments(tokenizer)
+    # One tokenizer per thread: a transformers tokenizer (the fallback to the Rust backend) sets
+    # truncation and padding on its backend in every call, which fails while another thread encodes.
+    per_thread = threading.local()
+
+    def tokenize(block: pa.Table) -> pa.Table:
+        if not hasattr(per_thread, "tokenize"):
+            per_thread.tokenize = TokenizeDocuments(tokenizer)
+        return per_thread.tokenize(block)
+
     pending: collections.deque = collections.deque()
     with ThreadPoolExecutor(threads, thread_name_prefix="eft-tokenize") as pool:
         try:
-            # The ray engine's block size: each block costs two GIL hand-offs between the parsing and
-            # the tokenizing threads, and one encode_batch call of 1,024 documents keeps a core busy.
+            # The ray engine's block size (1,024 documents by default): each block costs two GIL
+            # hand-offs between the parsing and the tokenizing threads.
             for block in iter_local_documents(cfg, inputs, BATCHES_PER_BLOCK * cfg.prepare.tokenize_batch_size):
                 pending.append(pool.submit(tokenize, block))
                 if len(pending) > 2 * threads:
