@@ -39,10 +39,7 @@ def parse_json_line(line: Union[bytes, str]) -> Union[Any, Skip]:
 
 def read_text_field(record: dict, field: str) -> Union[str, Skip]:
     """A non-empty string field, or why it is unusable (null counts as missing: Parquet has no absent)."""
-    return check_text_value(record.get(field), field)
-
-
-def check_text_value(value: Any, field: str) -> Union[str, Skip]:
+    value = record.get(field)
     if value is None:
         return Skip(f"missing field {field!r}")
     if not isinstance(value, str):
@@ -107,15 +104,10 @@ def parse_jsonl_block(lines: list[bytes], fmt: str = "text", text_field: str = "
         return None
     if table.num_rows != len(lines):
         return None
-    if fmt == "text":
-        values = (check_text_value(v, text_field) for v in columns[text_field])
-        return [v if isinstance(v, Skip) else Document(v) for v in values]
-    out: list[Parsed] = []
-    for prompt, response in zip(columns[prompt_field], columns[response_field]):
-        prompt = check_text_value(prompt, prompt_field)
-        response = prompt if isinstance(prompt, Skip) else check_text_value(response, response_field)
-        out.append(response if isinstance(response, Skip) else Document(response, prompt))
-    return out
+    # Each row as the record json.loads would give for the used fields (absent reads as null, as it
+    # does in read_text_field), through the same rules as the line-by-line path.
+    return [build_document(dict(zip(schema.names, row)), fmt, text_field, prompt_field, response_field)
+            for row in zip(*columns.values())]
 
 
 def parse_jsonl_line(line: Union[bytes, str], fmt: str = "text", **fields: str) -> Parsed:

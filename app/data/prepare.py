@@ -340,12 +340,15 @@ def iter_local_documents(cfg: JobConfig, inputs: InputFiles, rows_per_block: int
             yield from parse_jsonl_files(batch, base, fields, rows_per_block)
             continue
         try:
-            batches = pq.ParquetFile(pa.BufferReader(read_input_file(inputs, path))).iter_batches(rows_per_block)
-            for rows in batches:
-                table = pa.Table.from_batches([rows]).append_column("path", pa.array([path] * rows.num_rows))
-                yield parse_parquet_rows(table, base, fields)
+            # Row groups are read as they are needed: a Parquet file is never whole in memory.
+            with inputs.fs.open_input_file(path) as source:
+                for rows in pq.ParquetFile(source).iter_batches(rows_per_block):
+                    table = pa.Table.from_batches([rows]).append_column("path", pa.array([path] * rows.num_rows))
+                    yield parse_parquet_rows(table, base, fields)
         except pa.ArrowInvalid as err:
             raise PrepareError(f"input file {path} is not valid Parquet: {err}") from None
+        except OSError as err:
+            raise PrepareError(f"cannot read input file {path}: {err}") from None
 
 
 def cgroup_cpu_limit(root: Path = Path("/sys/fs/cgroup")) -> Optional[float]:
