@@ -46,10 +46,25 @@ class DataConfig(_Strict):
 class PrepareConfig(_Strict):
     input_uri: str = Field(description="raw JSONL or Parquet file or prefix")
     input_format: Literal["jsonl", "parquet"] = "jsonl"
-    format: Literal["text", "instruction"] = "text"
+    format: Literal["text", "instruction", "chat", "sharegpt"] = "text"
     text_field: str = "text"
     prompt_field: str = "instruction"
     response_field: str = "response"
+    # Conversations (format chat: OpenAI-style {role, content} messages; sharegpt: {from, value}),
+    # rendered by the tokenizer's chat template or by `chat_template` (a Jinja file, path or URI).
+    messages_field: str = "messages"
+    conversations_field: str = "conversations"
+    sharegpt_roles: dict[str, Literal["system", "user", "assistant", "tool"]] = Field(
+        default_factory=lambda: {"human": "user", "gpt": "assistant", "system": "system"},
+        description="ShareGPT `from` → role; replaces the default mapping whole")
+    chat_template: Optional[str] = Field(None, description="Jinja chat template file; default: the tokenizer's")
+    # Which tokens of a conversation are trained: every assistant turn (content + end-of-turn
+    # marker), only the last one, or every token.
+    train_on: Literal["assistant", "last_assistant", "all"] = "assistant"
+    # A document longer than data.seq_len: split over rows, drop it, or truncate it (whole leading
+    # turns through the last assistant turn that fits). Default: split for text and instruction,
+    # drop for chat and sharegpt.
+    overlong: Optional[Literal["drop", "truncate", "split"]] = None
     tokenizer_uri: Optional[str] = Field(None, description="defaults to model.uri")
     rows_per_shard: int = Field(1024, gt=0)
     max_bad_records: int = Field(100, ge=0)
@@ -63,6 +78,12 @@ class PrepareConfig(_Strict):
     local_threads: Optional[int] = Field(None, gt=0, description="local engine; default: this process's usable cores")
     num_tokenizer_actors: int = Field(2, gt=0)
     overwrite: bool = False
+
+    @property
+    def overlong_mode(self) -> str:
+        if self.overlong is not None:
+            return self.overlong
+        return "split" if self.format in ("text", "instruction") else "drop"
 
 
 class TrainingConfig(_Strict):

@@ -15,6 +15,10 @@ from typing import Any, NamedTuple, Optional, Union
 class Document(NamedTuple):
     text: str
     prompt: Optional[str] = None
+    # Chat formats (app/data/chat.py): `text` is the rendered conversation, `spans` the flat
+    # (start, end) character pairs to train and `turn_ends` where each assistant turn ends.
+    spans: Optional[tuple[int, ...]] = None
+    turn_ends: Optional[tuple[int, ...]] = None
 
 
 class Skip(NamedTuple):
@@ -68,26 +72,35 @@ def build_instruction_document(record: Any, prompt_field: str = "instruction",
 
 
 def build_document(record: Any, fmt: str = "text", text_field: str = "text",
-                   prompt_field: str = "instruction", response_field: str = "response") -> Parsed:
-    """A decoded record (a JSON value or a Parquet row dict) → Document or Skip."""
+                   prompt_field: str = "instruction", response_field: str = "response", chat=None) -> Parsed:
+    """A decoded record (a JSON value or a Parquet row dict) → Document or Skip. The chat formats
+    need `chat`, an app.data.chat.ChatFormat (the template and how to read the records)."""
     if isinstance(record, Skip):
         return record
+    if fmt in ("chat", "sharegpt"):
+        if chat is None:
+            raise ValueError(f"format {fmt!r} needs a ChatFormat")
+        return chat.document(record)
     if fmt == "text":
         return build_text_document(record, text_field)
     if fmt == "instruction":
         return build_instruction_document(record, prompt_field, response_field)
-    raise ValueError(f"unknown record format {fmt!r} (expected 'text' or 'instruction')")
+    raise ValueError(f"unknown record format {fmt!r} (expected 'text', 'instruction', 'chat' or 'sharegpt')")
 
 
 def parse_jsonl_block(lines: list[bytes], fmt: str = "text", text_field: str = "text",
-                      prompt_field: str = "instruction", response_field: str = "response") -> Optional[list[Parsed]]:
+                      prompt_field: str = "instruction", response_field: str = "response",
+                      chat=None) -> Optional[list[Parsed]]:
     """Non-blank JSONL lines → one Document or Skip per line, as parse_jsonl_line gives them, decoded
     by Arrow's JSON reader (C++, outside the GIL: several times faster than json.loads per line).
 
     Returns None when Arrow cannot read the block exactly as json.loads does, and the caller parses
     line by line: Arrow rejects the whole block for any line that is bad JSON or not UTF-8, is not an
     object, repeats a key, or holds a used field that is not a string or null. Only the used fields
-    are read (as strings), so other fields may hold anything."""
+    are read (as strings), so other fields may hold anything. Conversations (lists of objects) are
+    always parsed line by line."""
+    if fmt not in ("text", "instruction"):
+        return None
     import pyarrow as pa
     import pyarrow.json as pa_json
 

@@ -45,6 +45,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from app.config import JobConfig
+from app.data.chat import ChatFormat, span_token_mask, tokens_before
 from app.data.formats import Document, Parsed, Skip, build_document, parse_json_line, parse_jsonl_block
 from app.data.packing import IGNORE_INDEX, Packer, encode_documents, encode_texts, source_key, validation_mask
 from app.storage import Store, StorageError, join
@@ -76,11 +77,17 @@ MAX_READ_TASKS = 200
 DOCUMENT_SCHEMA = pa.schema([
     ("source", pa.string()), ("line", pa.int64()), ("text", pa.string()),
     ("prompt", pa.string()), ("reason", pa.string()),
+    # Chat formats only (null otherwise): flat (start, end) character pairs to train, and where
+    # each assistant turn ends (see app/data/chat.py).
+    ("spans", pa.list_(pa.int64())), ("turn_ends", pa.list_(pa.int64())),
 ])
 TOKENIZED_SCHEMA = pa.schema([
     ("source", pa.string()), ("line", pa.int64()), ("reason", pa.string()),
     ("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32())),
+    # What happened to a document longer than seq_len: "split", "truncated" or "dropped" (no tokens).
+    ("overlong", pa.string()),
 ])
+OVERLONG_OUTCOMES = ("split", "truncated", "dropped")
 SHARD_SCHEMA = pa.schema([
     ("row_id", pa.int64()), ("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32())),
 ])
@@ -161,6 +168,9 @@ def build_document_table(sources: list[str], lines: list[int], parsed: list[Pars
         "text": [p.text if isinstance(p, Document) else None for p in parsed],
         "prompt": [p.prompt if isinstance(p, Document) else None for p in parsed],
         "reason": [p.reason if isinstance(p, Skip) else None for p in parsed],
+        "spans": [list(p.spans) if isinstance(p, Document) and p.spans is not None else None for p in parsed],
+        "turn_ends": [list(p.turn_ends) if isinstance(p, Document) and p.turn_ends is not None else None
+                      for p in parsed],
     }, schema=DOCUMENT_SCHEMA)
 
 
@@ -207,28 +217,95 @@ class TokenizerSpec(NamedTuple):
 
 
 class TokenizeDocuments:
-    """Ray Data actor: loads the tokenizer once, then turns document batches into token lists."""
+    """Ray Data actor: loads the tokenizer once, then turns document batches into token lists.
 
-    def __init__(self, spec: TokenizerSpec):
-        self.spec = spec
+    Documents longer than `seq_len` are handled by `overlong`: "split" keeps them whole (the packer
+    continues them in the next row), "drop" leaves them out, "truncate" keeps a prefix: whole leading
+    turns through the last assistant turn that fits for a conversation, the first seq_len tokens
+    otherwise (dropped when nothing trained is left)."""
+
+    def __init__(self, spec: TokenizerSpec, seq_len: Optional[int] = None, overlong: str = "split"):
+        if overlong not in ("split", "drop", "truncate"):
+            raise ValueError(f"overlong must be split, drop or truncate, got {overlong!r}")
+        self.spec, self.seq_len, self.overlong = spec, seq_len, overlong
         if spec.backend_json is not None:
             self.encode = partial(encode_with_backend, load_backend(spec.backend_json))
+            self._chat_backend = None  # loaded on the first conversation
         else:
-            self.encode = partial(encode_texts, load_tokenizer(Store(spec.endpoint, spec.region), spec.uri))
+            tokenizer = load_tokenizer(Store(spec.endpoint, spec.region), spec.uri)
+            self.encode = partial(encode_texts, tokenizer)
+            self.encode_chat = partial(encode_chat_texts, tokenizer)
+
+    def encode_chat(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:  # replaced per instance above
+        if self._chat_backend is None:
+            self._chat_backend = load_backend(self.spec.backend_json, special_tokens_as_text=False)
+        return encode_chat_with_backend(self._chat_backend, texts)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
+        n = batch.num_rows
         ok = pc.is_null(batch["reason"]).to_numpy(zero_copy_only=False)
-        good = np.flatnonzero(ok)
-        texts = batch["text"].take(pa.array(good)).to_pylist()
-        prompts = batch["prompt"].take(pa.array(good)).to_pylist()
+        is_chat = ok & pc.is_valid(batch["spans"]).to_numpy(zero_copy_only=False)
+        plain, chat = np.flatnonzero(ok & ~is_chat), np.flatnonzero(is_chat)
+        texts = batch["text"].take(pa.array(plain)).to_pylist()
+        prompts = batch["prompt"].take(pa.array(plain)).to_pylist()
         ids, labels, doc_lengths = encode_documents(self.encode, [Document(t, p) for t, p in zip(texts, prompts)],
                                                     self.spec.eos_token_id, self.spec.bos_token_id)
-        lengths = np.zeros(batch.num_rows, dtype=np.int64)
-        lengths[good] = doc_lengths
+        lengths = np.zeros(n, dtype=np.int64)
+        lengths[plain] = doc_lengths
+        overlong = np.full(n, None, dtype=object)
+        long_plain = plain[doc_lengths > self.seq_len] if self.seq_len else plain[:0]
+        if not len(chat) and (self.overlong == "split" or not len(long_plain)):
+            # The plain-text fast path: whole batches of documents as flat arrays.
+            overlong[long_plain] = "split"
+        else:
+            ids, labels, lengths = self.per_document(batch, plain, chat, ids, labels, lengths, overlong)
         return pa.table({
             "source": batch["source"], "line": batch["line"], "reason": batch["reason"],
             "input_ids": build_list_array(ids, lengths), "labels": build_list_array(labels, lengths),
+            "overlong": pa.array(overlong.tolist(), pa.string()),
         }, schema=TOKENIZED_SCHEMA)
+
+    def per_document(self, batch: pa.Table, plain: np.ndarray, chat: np.ndarray, ids: np.ndarray,
+                     labels: np.ndarray, lengths: np.ndarray, overlong: np.ndarray):
+        """Conversations and over-long documents one by one → flat (ids, labels, lengths) in row order."""
+        docs: dict[int, tuple[np.ndarray, np.ndarray, Optional[list[int]]]] = {}
+        bounds = np.cumsum(lengths[plain])
+        for row, doc_ids, doc_labels in zip(plain, np.split(ids, bounds[:-1]), np.split(labels, bounds[:-1])):
+            docs[row] = (doc_ids, doc_labels, None)
+        if len(chat):
+            take = pa.array(chat)
+            texts = batch["text"].take(take).to_pylist()
+            spans = batch["spans"].take(take).to_pylist()
+            turn_ends = batch["turn_ends"].take(take).to_pylist()
+            for row, (doc_ids, offsets), doc_spans, ends in zip(chat, self.encode_chat(texts), spans, turn_ends):
+                pairs = np.asarray(doc_spans, dtype=np.int64).reshape(-1, 2)
+                doc_labels = np.where(span_token_mask(offsets, pairs), doc_ids, IGNORE_INDEX).astype(np.int32)
+                cuts = [tokens_before(offsets, end) for end in ends]
+                docs[row] = (doc_ids, doc_labels, cuts)
+        out_ids, out_labels = [], []
+        lengths = np.zeros(len(lengths), dtype=np.int64)
+        for row in sorted(docs):
+            doc_ids, doc_labels, cuts = docs[row]
+            if self.seq_len and len(doc_ids) > self.seq_len:
+                doc_ids, doc_labels, overlong[row] = self.fit(doc_ids, doc_labels, cuts)
+            out_ids.append(doc_ids)
+            out_labels.append(doc_labels)
+            lengths[row] = len(doc_ids)
+        empty = np.zeros(0, dtype=np.int32)
+        return (np.concatenate(out_ids) if out_ids else empty, np.concatenate(out_labels) if out_labels else empty,
+                lengths)
+
+    def fit(self, ids: np.ndarray, labels: np.ndarray, cuts: Optional[list[int]]):
+        """One over-long document → (ids, labels, outcome) under self.overlong."""
+        if self.overlong == "split":
+            return ids, labels, "split"
+        if self.overlong == "truncate":
+            fitting = [c for c in cuts if c <= self.seq_len] if cuts is not None else [self.seq_len]
+            cut = max(fitting, default=0)
+            if cut and np.any(labels[:cut] != IGNORE_INDEX):
+                return ids[:cut], labels[:cut], "truncated"
+        empty = np.zeros(0, dtype=np.int32)
+        return empty, empty.copy(), "dropped"
 
 
 def load_tokenizer(store: Store, tokenizer_uri: str):
@@ -256,13 +333,15 @@ def export_backend(tokenizer) -> Optional[str]:
     return tokenizer.backend_tokenizer.to_str()
 
 
-def load_backend(backend_json: str):
+def load_backend(backend_json: str, special_tokens_as_text: bool = True):
+    """The Rust tokenizer for encode_with_backend (data text: special-token text stays text) or, with
+    special_tokens_as_text=False, for encode_chat_with_backend (a rendered chat template)."""
     from tokenizers import Tokenizer
 
     backend = Tokenizer.from_str(backend_json)
     backend.no_truncation()
     backend.no_padding()
-    backend.encode_special_tokens = True
+    backend.encode_special_tokens = special_tokens_as_text
     return backend
 
 
@@ -271,19 +350,66 @@ def encode_with_backend(backend, texts: list[str]) -> list[list[int]]:
     return [encoding.ids for encoding in backend.encode_batch(texts, add_special_tokens=False)]
 
 
-def document_fields(cfg: JobConfig) -> dict:
+def encode_chat_with_backend(backend, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """encode_chat_texts on the Rust tokenizer from load_backend(..., special_tokens_as_text=False)."""
+    return [(np.asarray(e.ids, dtype=np.int32), np.asarray(e.offsets, dtype=np.int64).reshape(-1, 2))
+            for e in backend.encode_batch(texts, add_special_tokens=False)]
+
+
+def encode_chat_texts(tokenizer, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Rendered conversations → (ids, [n, 2] character offsets) each, tokenized exactly as
+    apply_chat_template(tokenize=True) tokenizes its rendering: no special tokens added, and the
+    template's special-token text (and any in the messages) matched as special tokens."""
+    if not texts:
+        return []
+    out = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False)
+    return [(np.asarray(ids, dtype=np.int32), np.asarray(offsets, dtype=np.int64).reshape(-1, 2))
+            for ids, offsets in zip(out["input_ids"], out["offset_mapping"])]
+
+
+def document_fields(cfg: JobConfig, chat: Optional[ChatFormat] = None) -> dict:
     p = cfg.prepare
-    return {"fmt": p.format, "text_field": p.text_field, "prompt_field": p.prompt_field,
-            "response_field": p.response_field}
+    fields = {"fmt": p.format, "text_field": p.text_field, "prompt_field": p.prompt_field,
+              "response_field": p.response_field}
+    if chat is not None:
+        fields["chat"] = chat
+    return fields
+
+
+def is_chat_format(cfg: JobConfig) -> bool:
+    return cfg.prepare.format in ("chat", "sharegpt")
+
+
+def load_chat_format(cfg: JobConfig, store: Store, tokenizer) -> Optional[ChatFormat]:
+    """The chat template (prepare.chat_template, else the tokenizer's own) and how to read the
+    records; None for the other formats. Fails in one line, before any work, without a template."""
+    if not is_chat_format(cfg):
+        return None
+    p = cfg.prepare
+    if p.chat_template:
+        try:
+            template = store.read_text(p.chat_template)
+        except (StorageError, OSError, UnicodeDecodeError) as err:
+            raise PrepareError(f"cannot read prepare.chat_template {p.chat_template}: {err}") from None
+    else:
+        template = tokenizer.chat_template
+        if isinstance(template, dict):  # several named templates: the default one
+            template = template.get("default")
+    if not template:
+        raise PrepareError(f"tokenizer at {cfg.tokenizer_uri} has no chat template: set prepare.chat_template "
+                           f"to a Jinja file for format {p.format!r}")
+    return ChatFormat(p.format, template, tokenizer.special_tokens_map, train_on=p.train_on,
+                      messages_field=p.messages_field, conversations_field=p.conversations_field,
+                      sharegpt_roles=p.sharegpt_roles)
 
 
 # -- the ray engine ----------------------------------------------------------------------------
 
-def read_documents(cfg: JobConfig, inputs: InputFiles, rows_per_block: int):
+def read_documents(cfg: JobConfig, inputs: InputFiles, rows_per_block: int, chat: Optional[ChatFormat] = None):
     """The input files as a Ray Dataset of DOCUMENT_SCHEMA blocks of at most `rows_per_block` rows."""
     import ray.data
 
-    fields, base = document_fields(cfg), inputs.base
+    fields, base = document_fields(cfg, chat), inputs.base
     if cfg.prepare.input_format == "jsonl":
         # One read task per file (up to MAX_READ_TASKS), each fused with parsing its files and cutting
         # them into blocks: a split read (Ray's default below its target number of blocks) or a fixed
@@ -300,25 +426,28 @@ def read_documents(cfg: JobConfig, inputs: InputFiles, rows_per_block: int):
     return ds.repartition(target_num_rows_per_block=rows_per_block)
 
 
-def build_token_dataset(cfg: JobConfig, inputs: InputFiles, tokenizer: TokenizerSpec):
+def build_token_dataset(cfg: JobConfig, inputs: InputFiles, tokenizer: TokenizerSpec,
+                        chat: Optional[ChatFormat] = None):
     import ray.data
 
     p = cfg.prepare
-    ds = read_documents(cfg, inputs, BATCHES_PER_BLOCK * p.tokenize_batch_size)
+    ds = read_documents(cfg, inputs, BATCHES_PER_BLOCK * p.tokenize_batch_size, chat)
     return ds.map_batches(
         TokenizeDocuments, batch_size=p.tokenize_batch_size, batch_format="pyarrow",
         compute=ray.data.ActorPoolStrategy(size=p.num_tokenizer_actors), num_cpus=TOKENIZER_NUM_CPUS,
-        fn_constructor_args=(tokenizer,),
+        fn_constructor_args=(tokenizer, cfg.data.seq_len, p.overlong_mode),
     )
 
 
-def iter_ray_tokenized(cfg: JobConfig, inputs: InputFiles, tokenizer: TokenizerSpec) -> Iterator[pa.Table]:
+def iter_ray_tokenized(cfg: JobConfig, inputs: InputFiles, tokenizer: TokenizerSpec,
+                       chat: Optional[ChatFormat] = None) -> Iterator[pa.Table]:
     import ray
 
     if not ray.is_initialized():
         ray.init()
     with preserving_order():
-        yield from build_token_dataset(cfg, inputs, tokenizer).iter_batches(batch_format="pyarrow", batch_size=None)
+        yield from build_token_dataset(cfg, inputs, tokenizer, chat).iter_batches(batch_format="pyarrow",
+                                                                                 batch_size=None)
 
 
 # -- the local engine --------------------------------------------------------------------------
@@ -331,9 +460,10 @@ def read_input_file(inputs: InputFiles, path: str) -> pa.Buffer:
         raise PrepareError(f"cannot read input file {path}: {err}") from None
 
 
-def iter_local_documents(cfg: JobConfig, inputs: InputFiles, rows_per_block: int) -> Iterator[pa.Table]:
+def iter_local_documents(cfg: JobConfig, inputs: InputFiles, rows_per_block: int,
+                         chat: Optional[ChatFormat] = None) -> Iterator[pa.Table]:
     """read_documents' blocks in this process, file by file: the same parse functions, the same rows."""
-    fields, base = document_fields(cfg), inputs.base
+    fields, base = document_fields(cfg, chat), inputs.base
     for path in inputs.paths:
         if cfg.prepare.input_format == "jsonl":
             batch = {"bytes": [read_input_file(inputs, path).to_pybytes()], "path": [path]}
@@ -374,7 +504,8 @@ def local_thread_count(cfg: JobConfig) -> int:
     return max(1, min(cores, int(limit + 0.5))) if limit else cores
 
 
-def iter_local_tokenized(cfg: JobConfig, inputs: InputFiles, tokenizer: TokenizerSpec) -> Iterator[pa.Table]:
+def iter_local_tokenized(cfg: JobConfig, inputs: InputFiles, tokenizer: TokenizerSpec,
+                         chat: Optional[ChatFormat] = None) -> Iterator[pa.Table]:
     """Blocks tokenized on a thread pool, yielded in input order. The caller's thread parses the next
     blocks and packs the finished ones meanwhile; a bounded look-ahead keeps memory at a few blocks."""
     threads = local_thread_count(cfg)
@@ -384,7 +515,7 @@ def iter_local_tokenized(cfg: JobConfig, inputs: InputFiles, tokenizer: Tokenize
 
     def tokenize(block: pa.Table) -> pa.Table:
         if not hasattr(per_thread, "tokenize"):
-            per_thread.tokenize = TokenizeDocuments(tokenizer)
+            per_thread.tokenize = TokenizeDocuments(tokenizer, cfg.data.seq_len, cfg.prepare.overlong_mode)
         return per_thread.tokenize(block)
 
     pending: collections.deque = collections.deque()
@@ -392,7 +523,7 @@ def iter_local_tokenized(cfg: JobConfig, inputs: InputFiles, tokenizer: Tokenize
         try:
             # The ray engine's block size (1,024 documents by default): each block costs two GIL
             # hand-offs between the parsing and the tokenizing threads.
-            for block in iter_local_documents(cfg, inputs, BATCHES_PER_BLOCK * cfg.prepare.tokenize_batch_size):
+            for block in iter_local_documents(cfg, inputs, BATCHES_PER_BLOCK * cfg.prepare.tokenize_batch_size, chat):
                 pending.append(pool.submit(tokenize, block))
                 if len(pending) > 2 * threads:
                     yield pending.popleft().result()
@@ -559,6 +690,7 @@ class DocumentConsumer:
         self.splits, self.bad = splits, bad
         self.read = 0
         self.used = 0
+        self.overlong: Counter = Counter({outcome: 0 for outcome in OVERLONG_OUTCOMES})
         self.row_counters: Counter = Counter()
         self.source_keys: dict[str, int] = {}
 
@@ -568,8 +700,11 @@ class DocumentConsumer:
                  else batch["line"].to_numpy(zero_copy_only=False))
         ok = pc.is_null(batch["reason"]).to_numpy(zero_copy_only=False)
         self.read += batch.num_rows
-        self.used += int(ok.sum())
         self.record_bad(batch["reason"], names, codes, lines, ok)
+        self.overlong.update(o for o in batch["overlong"].to_pylist() if o is not None)
+        # A dropped over-long document is not bad (it is counted apart), but it is not used either.
+        ok &= ~pc.fill_null(pc.equal(batch["overlong"], "dropped"), False).to_numpy(zero_copy_only=False)
+        self.used += int(ok.sum())
         is_val = validation_mask(self.lookup_source_keys(names)[codes], lines, self.fraction)
         ids, labels, lengths = flatten_tokens(batch)
         for name, doc_mask in (("train", ok & ~is_val), ("validation", ok & is_val)):
@@ -661,7 +796,9 @@ def build_manifest(cfg: JobConfig, tokenizer: dict, inputs: InputFiles, splits: 
                    "bytes": inputs.total_bytes},
         "splits": splits,
         "records": {"read": consumer.read, "used": consumer.used, "skipped": bad.count,
-                    "skipped_by_reason": dict(bad.by_reason), "skipped_examples": bad.examples},
+                    "skipped_by_reason": dict(bad.by_reason), "skipped_examples": bad.examples,
+                    # Documents longer than seq_len, by what prepare.overlong did with them.
+                    "overlong": dict(consumer.overlong)},
         "stats": {"engine": engine, "wall_s": round(wall_s, 3),
                   "tokens_per_s": round(tokens / wall_s, 1) if wall_s > 0 else 0.0},
     }
@@ -680,7 +817,8 @@ def stream_documents(batches: Iterable[pa.Table], consumer: DocumentConsumer, to
 
 
 def write_dataset(cfg: JobConfig, store: Store, inputs: InputFiles, engine: str, shard_dir: str, pad_id: int,
-                  tokenizer: TokenizerSpec) -> tuple[dict[str, dict], DocumentConsumer, BadRecords]:
+                  tokenizer: TokenizerSpec, chat: Optional[ChatFormat] = None,
+                  ) -> tuple[dict[str, dict], DocumentConsumer, BadRecords]:
     data_fs, data_path = store.resolve(cfg.data.uri)
     splits = {name: SplitBuilder(cfg.data.seq_len, pad_id,
                                  ShardWriter(data_fs, data_path, shard_dir, name, cfg.prepare.rows_per_shard,
@@ -688,7 +826,7 @@ def write_dataset(cfg: JobConfig, store: Store, inputs: InputFiles, engine: str,
               for name in SPLITS}
     bad = BadRecords(cfg.prepare.max_bad_records, cfg.prepare.input_uri)
     consumer = DocumentConsumer(cfg, splits, bad)
-    tokenized = (iter_local_tokenized if engine == "local" else iter_ray_tokenized)(cfg, inputs, tokenizer)
+    tokenized = (iter_local_tokenized if engine == "local" else iter_ray_tokenized)(cfg, inputs, tokenizer, chat)
     stream_documents(tokenized, consumer, inputs.total_bytes)
     return {name: split.finish() for name, split in splits.items()}, consumer, bad
 
@@ -700,9 +838,10 @@ def prepare_dataset(cfg: JobConfig, store: Optional[Store] = None) -> dict:
     store = store or Store.from_config(cfg.storage)
     started = time.monotonic()
     check_not_prepared(cfg, store)
+    hf_tokenizer = load_tokenizer(store, cfg.tokenizer_uri)
+    chat = load_chat_format(cfg, store, hf_tokenizer)
     delete_unreferenced_shards(store, cfg.data.uri, referenced_shard_dirs(read_committed_manifest(store, cfg.data.uri)))
     inputs = list_input_files(store, cfg.prepare.input_uri, cfg.prepare.input_format)
-    hf_tokenizer = load_tokenizer(store, cfg.tokenizer_uri)
     tokenizer = describe_tokenizer(cfg, store, hf_tokenizer)
     spec = tokenizer_spec(cfg, store, hf_tokenizer, tokenizer)
     engine = choose_engine(cfg, inputs)
@@ -712,7 +851,8 @@ def prepare_dataset(cfg: JobConfig, store: Optional[Store] = None) -> dict:
              engine, f" ({local_thread_count(cfg)} threads)" if engine == "local"
              else f" ({cfg.prepare.num_tokenizer_actors} tokenizer actors)")
     try:
-        splits, consumer, bad = write_dataset(cfg, store, inputs, engine, shard_dir, tokenizer["pad_token_id"], spec)
+        splits, consumer, bad = write_dataset(cfg, store, inputs, engine, shard_dir, tokenizer["pad_token_id"], spec,
+                                              chat)
         if not splits["train"]["rows"]:
             raise PrepareError(f"no training rows from {cfg.prepare.input_uri} ({consumer.read} records read, "
                                f"{bad.count} skipped, {consumer.used} used, "
