@@ -353,3 +353,18 @@ def test_prepare_chat_template_brings_a_template_to_a_base_model(chat_model):
                       chat_template="s3://eft/templates/llama3.jinja", overwrite=True)
     manifest = prepare_dataset(cfg, store)
     assert manifest["records"]["used"] == 6
+
+
+def test_the_ray_engine_gives_the_local_engines_chat_dataset(chat_model, ray_cluster):
+    """The one Ray run here (seconds of start-up): the ChatFormat travels to the read tasks and the
+    overlong mode to the tokenizer actors; the shards are byte-identical to the local engine's."""
+    store, _ = chat_model
+    local = make_config("s3://eft/data/chat-local", "s3://eft/raw/chat/part-0.jsonl", MODEL_URI, overlong="truncate")
+    ray = make_config("s3://eft/data/chat-ray", "s3://eft/raw/chat/part-0.jsonl", MODEL_URI, overlong="truncate",
+                      engine="ray", num_tokenizer_actors=1)
+    manifests = [prepare_dataset(cfg, store) for cfg in (local, ray)]
+    assert manifests[0]["records"] == manifests[1]["records"]
+    assert manifests[1]["stats"]["engine"] == "ray"
+    shards = [[store.read_bytes(uri) for uri in shard_uris(cfg.data.uri, m, "train")]
+              for cfg, m in zip((local, ray), manifests)]
+    assert shards[0] == shards[1] and shards[0]

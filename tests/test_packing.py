@@ -64,7 +64,9 @@ def test_instruction_record_with_custom_fields():
 
 def test_unknown_format_is_rejected():
     with pytest.raises(ValueError, match="unknown record format"):
-        build_document({"text": "x"}, "chat")
+        build_document({"text": "x"}, "markdown")
+    with pytest.raises(ValueError, match="needs a ChatFormat"):  # conversations: tests/test_chat.py
+        build_document({"messages": []}, "chat")
 
 
 # Lines Arrow's JSON reader decodes as json.loads does (with the document or skip each gives) ...

@@ -244,7 +244,9 @@ class TokenizeDocuments:
     def __call__(self, batch: pa.Table) -> pa.Table:
         n = batch.num_rows
         ok = pc.is_null(batch["reason"]).to_numpy(zero_copy_only=False)
-        is_chat = ok & pc.is_valid(batch["spans"]).to_numpy(zero_copy_only=False)
+        is_chat = np.zeros(n, dtype=bool)
+        if "spans" in batch.column_names:  # tables from before the chat formats have no spans column
+            is_chat = ok & pc.is_valid(batch["spans"]).to_numpy(zero_copy_only=False)
         plain, chat = np.flatnonzero(ok & ~is_chat), np.flatnonzero(is_chat)
         texts = batch["text"].take(pa.array(plain)).to_pylist()
         prompts = batch["prompt"].take(pa.array(plain)).to_pylist()
