@@ -179,6 +179,15 @@ def test_tool_messages_pass_through_a_template_that_has_them(styled):
 
 # -- records --------------------------------------------------------------------------------
 
+def test_null_message_keys_are_absent_as_in_the_library(styled):
+    """Parquet rows give every struct key, null where a message has none (here Qwen's tool_calls)."""
+    tok = styled["qwen2.5-instruct"]
+    with_nulls = [{**m, "tool_calls": None, "name": None} for m in TURNS]
+    assert chat_format(tok).document({"messages": with_nulls}) == chat_format(tok).document({"messages": TURNS})
+    assert chat_format(tok).document({"messages": with_nulls}).text == tok.apply_chat_template(with_nulls,
+                                                                                              tokenize=False)
+
+
 def test_sharegpt_maps_roles_and_the_mapping_can_be_overridden(styled):
     tok = styled["qwen2.5-instruct"]
     record = {"conversations": [{"from": "system", "value": "You are terse."}, {"from": "human", "value": "Hi"},

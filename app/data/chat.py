@@ -61,7 +61,8 @@ def read_messages(record: Any, field: str) -> Union[list[dict], Skip]:
             return Skip(f"unknown role {short(role)}")
         if not isinstance(content, str):
             return Skip("content is not a string")
-        messages.append(dict(message))
+        # As apply_chat_template does: a key set to null is absent (Parquet structs hold every key).
+        messages.append({key: value for key, value in message.items() if value is not None})
     return check_conversation(messages)
 
 
