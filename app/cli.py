@@ -75,6 +75,14 @@ def cmd_prepare(args) -> int:
     cfg = _load(args)
     if cfg.prepare is None:
         raise ValueError(f"{args.config}: prepare: section missing (needed by `eft prepare`)")
+    if args.preview is not None:
+        from rich.console import Console
+
+        from app.data.preview import preview_records, render_preview
+
+        tokenizer, records = preview_records(cfg, args.preview)
+        render_preview(Console(highlight=False), tokenizer, records, cfg)
+        return 0
     manifest = prepare_dataset(cfg)
     train, val = manifest["splits"]["train"], manifest["splits"].get("validation", {})
     print(f"prepared {cfg.data.uri}: {train['rows']} train rows / {train['tokens']:,} tokens, "
@@ -153,6 +161,16 @@ def cmd_report(args) -> int:
     return 0
 
 
+def positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number of records, got {value!r}")
+    return number
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eft", description="Ray-native elastic LLM fine-tuning")
     parser.add_argument("--traceback", action="store_true", help="show the full traceback on errors")
@@ -172,8 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-seed", action="store_true",
                    help="do not seed the tiny demo model and corpus into the local bucket")
     p.set_defaults(fn=cmd_local)
-    with_config(sub.add_parser("prepare", help="raw JSONL/Parquet → packed shards + manifest")).set_defaults(
-        fn=cmd_prepare)
+    p = with_config(sub.add_parser("prepare", help="raw JSONL/Parquet → packed shards + manifest"))
+    p.add_argument("--preview", type=positive_int, default=None, metavar="N",
+                   help="show the first N records as tokens, trained and masked, and write nothing")
+    p.set_defaults(fn=cmd_prepare)
     with_config(sub.add_parser("train", help="fine-tune; re-run with the same name to resume")).set_defaults(
         fn=cmd_train)
     p = with_config(sub.add_parser("export", help="checkpoint → PEFT adapter / merged model"))

@@ -388,21 +388,29 @@ def load_chat_format(cfg: JobConfig, store: Store, tokenizer) -> Optional[ChatFo
     if not is_chat_format(cfg):
         return None
     p = cfg.prepare
-    if p.chat_template:
-        try:
-            template = store.read_text(p.chat_template)
-        except (StorageError, OSError, UnicodeDecodeError) as err:
-            raise PrepareError(f"cannot read prepare.chat_template {p.chat_template}: {err}") from None
-    else:
-        template = tokenizer.chat_template
-        if isinstance(template, dict):  # several named templates: the default one
-            template = template.get("default")
+    template = read_chat_template(cfg, store, tokenizer)
     if not template:
         raise PrepareError(f"tokenizer at {cfg.tokenizer_uri} has no chat template: set prepare.chat_template "
                            f"to a Jinja file for format {p.format!r}")
     return ChatFormat(p.format, template, tokenizer.special_tokens_map, train_on=p.train_on,
                       messages_field=p.messages_field, conversations_field=p.conversations_field,
                       sharegpt_roles=p.sharegpt_roles)
+
+
+def read_chat_template(cfg: JobConfig, store: Store, tokenizer) -> Optional[str]:
+    """The template conversations are rendered with: prepare.chat_template's file when set, else the
+    tokenizer's own (its default one where it has several); None when there is neither. Export
+    gives the exported tokenizer this same template."""
+    p = cfg.prepare
+    if p is not None and p.chat_template:
+        try:
+            return store.read_text(p.chat_template)
+        except (StorageError, OSError, UnicodeDecodeError) as err:
+            raise PrepareError(f"cannot read prepare.chat_template {p.chat_template}: {err}") from None
+    template = tokenizer.chat_template
+    if isinstance(template, dict):  # several named templates: the default one
+        template = template.get("default")
+    return template or None
 
 
 # -- the ray engine ----------------------------------------------------------------------------
