@@ -6,13 +6,17 @@ No Ray here: the parse and tokenize functions are the ones both engines run."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from app.config import ConfigError, build_config
+from app.config import ConfigError, build_config, dump_config
 from app.data.chat import ChatFormat
 from app.data.formats import Skip
 from app.data.packing import IGNORE_INDEX
@@ -377,3 +381,117 @@ def test_the_ray_engine_gives_the_local_engines_chat_dataset(chat_model, ray_clu
     shards = [[store.read_bytes(uri) for uri in shard_uris(cfg.data.uri, m, "train")]
               for cfg, m in zip((local, ray), manifests)]
     assert shards[0] == shards[1] and shards[0]
+
+
+# -- eft prepare --preview ------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+PREVIEWED = [[{"role": "user", "content": "What is a list?"}, {"role": "assistant", "content": "An ordered sequence."}],
+             [{"role": "user", "content": "Only a question"}],
+             [{"role": "user", "content": "And a tuple?"}, {"role": "assistant", "content": "An immutable one."},
+              {"role": "user", "content": "Thanks!"}, {"role": "assistant", "content": "Any time."}],
+             [{"role": "user", "content": "Never previewed?"}, {"role": "assistant", "content": "Beyond N."}]]
+COUNTS = re.compile(r"^(\d+) tokens: (\d+) trained, (\d+) masked", re.M)
+
+
+def eft(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "app.cli", *args], capture_output=True, text=True, cwd=ROOT,
+                          env=env, timeout=timeout)
+
+
+def prepared_documents(store, cfg, lengths: list[int]) -> list[tuple[int, int, int]]:
+    """Prepare `cfg` for real; per document (of the given token lengths, in order) its token count,
+    trained and masked counts as they are in the shards."""
+    manifest = prepare_dataset(cfg, store)
+    labels = []
+    for uri in shard_uris(cfg.data.uri, manifest, "train"):
+        fs, path = store.resolve(uri)
+        labels += np.ravel(pq.read_table(path, filesystem=fs)["labels"].to_pylist()).tolist()
+    out, start = [], 0
+    for n in lengths:
+        trained = sum(label != IGNORE_INDEX for label in labels[start:start + n])
+        out.append((n, trained, n - trained))
+        start += n
+    return out
+
+
+def test_prepare_preview_shows_records_as_prepare_tokenizes_them_and_writes_nothing(chat_model, tmp_path):
+    store, tok = chat_model
+    lines = [json.dumps({"messages": m}) for m in PREVIEWED]
+    store.write_text("s3://eft/raw/preview/part-0.jsonl", "\n".join(lines) + "\n")
+    cfg = make_config("s3://eft/data/preview", "s3://eft/raw/preview/part-0.jsonl", MODEL_URI)
+    cfg_path = tmp_path / "preview.yaml"
+    cfg_path.write_text(dump_config(cfg))
+
+    shown = eft("prepare", str(cfg_path), "--preview", "3")
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    out = shown.stdout
+    used = [PREVIEWED[0], PREVIEWED[2]]
+    for messages in used:  # the text as the model sees it, whole and unwrapped
+        assert tok.apply_chat_template(messages, tokenize=False).rstrip("\n") in out
+    assert "Beyond N." not in out and "Never previewed?" not in out
+    assert "part-0.jsonl:2" in out and "skipped: no assistant turn" in out
+    assert "part-0.jsonl:1" in out and "part-0.jsonl:3" in out
+    assert store.list_files(cfg.data.uri) == []
+    assert "Ray" not in shown.stderr
+
+    # The counts are those of the documents prepare writes for the same records.
+    store.write_text("s3://eft/raw/preview-head/part-0.jsonl", "\n".join(lines[:3]) + "\n")
+    expected = prepared_documents(store, make_config("s3://eft/data/preview-head", "s3://eft/raw/preview-head/",
+                                                     MODEL_URI), [len(library_ids(tok, m)) for m in used])
+    assert [tuple(map(int, c)) for c in COUNTS.findall(out)] == expected
+    assert all(trained and masked for _, trained, masked in expected)
+
+
+def test_prepare_preview_fails_like_prepare_on_a_bad_config(chat_model, tmp_path):
+    cfg = make_config("s3://eft/data/preview-none", "s3://eft/raw/preview/part-0.jsonl", MODEL_URI + "-plain")
+    cfg_path = tmp_path / "preview.yaml"
+    cfg_path.write_text(dump_config(cfg))
+    failed = eft("prepare", str(cfg_path), "--preview", "2")
+    assert failed.returncode == 1 and failed.stdout == ""
+    assert failed.stderr.strip().splitlines() == [
+        "eft: error: tokenizer at s3://eft/models/tiny-chat-plain has no chat template: set prepare.chat_template "
+        "to a Jinja file for format 'chat'"]
+
+
+def test_preview_of_text_instruction_and_sharegpt_records_matches_prepare(chat_model):
+    """The library side of --preview (no subprocess): every format, JSONL and Parquet, overlong."""
+    import pyarrow as pa
+
+    from app.data.preview import decode_runs, preview_records
+
+    store, tok = chat_model
+    store.write_text("s3://eft/raw/preview-text/a.jsonl",
+                     "\n".join(json.dumps({"text": t}) for t in ["A first document.", "", "A second one."]) + "\n")
+    text_cfg = make_config("s3://eft/data/preview-text", "s3://eft/raw/preview-text/a.jsonl", MODEL_URI, format="text")
+    _, records = preview_records(text_cfg, 5, store)
+    assert [(r.line, r.reason) for r in records] == [(1, None), (2, "empty text"), (3, None)]
+    # bos and eos as prepare adds them (bos trained here: the text format has no prompt).
+    assert decode_runs(tok, records[0].input_ids, records[0].labels) == [("<s>A first document.</s>", True)]
+    used = [records[0], records[2]]
+    expected = prepared_documents(store, text_cfg, [len(r.input_ids) for r in used])
+    assert [(len(r.labels), r.trained, r.masked) for r in used] == expected
+
+    rows = pa.table({"instruction": ["Say hi.", "Say bye.", ""], "response": ["Hi!", "Bye!", "x"]})
+    fs, path = store.resolve("s3://eft/raw/preview-instr/a.parquet")
+    with fs.open_output_stream(path) as f:
+        pq.write_table(rows, f)
+    instr_cfg = make_config("s3://eft/data/preview-instr", "s3://eft/raw/preview-instr/a.parquet", MODEL_URI,
+                            format="instruction", input_format="parquet")
+    _, records = preview_records(instr_cfg, 3, store)
+    assert [(r.line, r.reason) for r in records] == [(1, None), (2, None), (3, "empty instruction")]
+    expected = prepared_documents(store, instr_cfg, [len(r.input_ids) for r in records[:2]])
+    assert [(len(r.labels), r.trained, r.masked) for r in records[:2]] == expected
+    assert all(r.masked for r in records[:2])
+
+    share = [{"conversations": [{"from": "human" if m["role"] == "user" else "gpt", "value": m["content"]}
+                                for m in conv]} for conv in (PREVIEWED[0], [{"role": "user", "content": "w " * 400},
+                                                                             {"role": "assistant", "content": "ok"}])]
+    store.write_text("s3://eft/raw/preview-share/a.jsonl", "\n".join(map(json.dumps, share)) + "\n")
+    share_cfg = make_config("s3://eft/data/preview-share", "s3://eft/raw/preview-share/a.jsonl", MODEL_URI,
+                            format="sharegpt", seq_len=128)
+    _, records = preview_records(share_cfg, 2, store)
+    assert records[0].input_ids == library_ids(tok, PREVIEWED[0])
+    assert records[1].overlong == "dropped" and records[1].input_ids == [] and len(records[1].full_ids) > 128
+    assert store.list_files("s3://eft/data/preview-share") == []
