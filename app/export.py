@@ -3,9 +3,11 @@
 Runs in one process on CPU. The checkpoint's DCP state dict ({"model", "optim"}) is read
 into the same module tree training saved it from (base + LoRA built from the config), so
 the keys match by construction. Output, under `<run>/export/<checkpoint dir name>/`:
-  adapter/      PEFT `save_pretrained` (LoRA runs)
+  adapter/      PEFT `save_pretrained` (LoRA runs), plus tokenizer
   merged/       full model, safetensors, plus tokenizer (with `merge=True`; always for a
                 full fine-tune)
+Both trees carry the chat template conversations were trained with (see export_tokenizer), so
+`AutoTokenizer.from_pretrained(tree).apply_chat_template(...)` renders the training format.
   export.json   what was exported from which checkpoint; written last, so a reader that
                 finds it finds complete trees
 """
@@ -51,6 +53,7 @@ def export_run(cfg: JobConfig, checkpoint_uri: Optional[str] = None, merge: bool
     log.info("exporting %s (step %s) as %s to %s", ckpt_uri, step, "+".join(kinds), out_uri)
 
     base_dir = cache_model_dir(store, cfg.model.uri)
+    tokenizer = export_tokenizer(cfg, store)  # before the model: a bad template fails in seconds
     model = build_export_model(cfg, base_dir)
     load_checkpoint_weights(store, model, ckpt_uri, trainable_only=cfg.lora is not None)
 
@@ -63,23 +66,24 @@ def export_run(cfg: JobConfig, checkpoint_uri: Optional[str] = None, merge: bool
         "export_uri": out_uri,
     }
     with tempfile.TemporaryDirectory(prefix="eft-export-") as tmp:
-        summary.update(write_export_trees(cfg, store, model, base_dir, kinds, Path(tmp), out_uri))
+        summary.update(write_export_trees(cfg, model, tokenizer, base_dir, kinds, Path(tmp), out_uri))
         publish_export(store, Path(tmp), out_uri, summary)
     log.info("export complete: %s", out_uri)
     return summary
 
 
-def write_export_trees(cfg: JobConfig, store: Store, model, base_dir: Path, kinds: list[str],
+def write_export_trees(cfg: JobConfig, model, tokenizer, base_dir: Path, kinds: list[str],
                        local_dir: Path, out_uri: str) -> dict:
     """Write each kind under `local_dir`; returns the summary entries naming where they go."""
     written = {}
     # The adapter goes first: merging folds the adapters into the base and removes them.
     if ADAPTER in kinds:
         save_adapter(model, cfg.model.uri, local_dir / ADAPTER)
+        tokenizer.save_pretrained(local_dir / ADAPTER)
         written["adapter_uri"] = join(out_uri, ADAPTER)
     if MERGED in kinds:
         merged = model.merge_and_unload() if cfg.lora else model
-        written["merged_dtype"] = save_merged(merged, base_dir, store, cfg.tokenizer_uri, local_dir / MERGED)
+        written["merged_dtype"] = save_merged(merged, base_dir, tokenizer, local_dir / MERGED)
         written["merged_uri"] = join(out_uri, MERGED)
     return written
 
@@ -155,19 +159,34 @@ def save_adapter(model, base_model_uri: str, out_dir: Path) -> None:
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def save_merged(model, base_dir: Path, store: Store, tokenizer_uri: str, out_dir: Path) -> str:
+def export_tokenizer(cfg: JobConfig, store: Store):
+    """The training tokenizer, with the chat template its conversations were rendered with: for a
+    chat or sharegpt run that set `prepare.chat_template`, that file (read as prepare reads it);
+    otherwise the tokenizer's own, as it is."""
+    from transformers import AutoTokenizer
+
+    from app.data.prepare import PrepareError, is_chat_format, read_chat_template
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(store.cache_locally(cfg.tokenizer_uri))
+    except (OSError, ValueError, StorageError) as err:
+        raise ExportError(f"{cfg.tokenizer_uri}: cannot load tokenizer ({first_line(err)})") from None
+    if cfg.prepare is not None and cfg.prepare.chat_template and is_chat_format(cfg):
+        try:
+            tokenizer.chat_template = read_chat_template(cfg, store, tokenizer)
+        except PrepareError as err:
+            raise ExportError(str(err)) from None
+    return tokenizer
+
+
+def save_merged(model, base_dir: Path, tokenizer, out_dir: Path) -> str:
     """Save in the base checkpoint's own dtype (bf16 for most released models), so the merged
     model is the size users expect; returns that dtype's name."""
     import torch
-    from transformers import AutoTokenizer
 
     dtype_name = read_base_dtype(base_dir)
     model = model.to(getattr(torch, dtype_name))
     model.save_pretrained(out_dir, safe_serialization=True)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(store.cache_locally(tokenizer_uri))
-    except (OSError, ValueError, StorageError) as err:
-        raise ExportError(f"{tokenizer_uri}: cannot load tokenizer ({first_line(err)})") from None
     tokenizer.save_pretrained(out_dir)
     return dtype_name
 

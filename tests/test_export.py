@@ -33,13 +33,14 @@ def base_uri(s3):
     return save_tiny_base(Store(), "s3://eft/models/export-tiny", texts=build_corpus(max_docs=300), vocab_size=384)
 
 
-def make_cfg(name: str, base_uri: str, lora: bool = True):
+def make_cfg(name: str, base_uri: str, lora: bool = True, **sections):
     tree = {
         "name": name,
         "model": {"uri": base_uri},
         "data": {"uri": "s3://eft/data/unused"},
         "training": {"max_steps": 10},
         "storage": {"root_uri": RUNS},
+        **sections,
     }
     if lora:
         tree["lora"] = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "o_proj"]}
@@ -123,7 +124,8 @@ def test_lora_export_summary_and_layout(lora_run):
     assert summary["kinds"] == ["adapter", "merged"]
     assert summary["adapter_uri"] == join(out, "adapter") and summary["merged_uri"] == join(out, "merged")
     assert store.read_json(join(out, "export.json")) == summary
-    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(store.list_files(join(out, "adapter")))
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= set(
+        store.list_files(join(out, "adapter")))
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(store.list_files(join(out, "merged")))
 
 
@@ -229,3 +231,54 @@ def test_model_uri_that_is_not_a_model_dir_is_an_error_naming_it(lora_run):
     with pytest.raises(ExportError, match="s3://eft/models/no-such-model") as info:
         export_run(cfg, store=Store())
     assert "\n" not in str(info.value)
+
+
+TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is a list?"},
+            {"role": "assistant", "content": "An ordered sequence."}, {"role": "user", "content": "And a tuple?"}]
+
+
+def test_export_carries_the_chat_template_used_in_training(base_uri, tmp_path):
+    """A base without a chat template, trained on conversations rendered by prepare.chat_template:
+    both exported trees load a tokenizer that renders (and tokenizes) the training format."""
+    from transformers import AutoTokenizer
+
+    from app.data.chat import ChatFormat
+
+    store = Store()
+    template = (TEMPLATES / "llama-3-instruct.jinja").read_text()
+    store.write_text("s3://eft/templates/export-llama3.jinja", template)
+    cfg = make_cfg("chat-run", base_uri, prepare={"input_uri": "s3://eft/raw/unused.jsonl", "format": "chat",
+                                                  "chat_template": "s3://eft/templates/export-llama3.jinja"})
+    model, optim = build_trained_model(cfg, seed=4)
+    write_checkpoint(store, cfg.run_uri, model, optim, step=2, trainable_only=True)
+    summary = export_run(cfg, merge=True, store=store)
+
+    base = AutoTokenizer.from_pretrained(Store().cache_locally(base_uri))
+    assert not base.chat_template
+    # The rendering prepare trained on (its ChatFormat with the override), plus the generation prompt.
+    training_text, _ = ChatFormat("chat", template, base.special_tokens_map).render_text(MESSAGES,
+                                                                                        add_generation_prompt=True)
+    assert training_text.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
+    base.chat_template = template
+    training_ids = list(base.apply_chat_template(MESSAGES, add_generation_prompt=True, return_dict=True)["input_ids"])
+    for kind in ("adapter", "merged"):
+        tree = download(store, summary[f"{kind}_uri"], tmp_path / kind)
+        assert (tree / "chat_template.jinja").is_file() or "chat_template" in json.loads(
+            (tree / "tokenizer_config.json").read_text()), kind
+        loaded = AutoTokenizer.from_pretrained(tree)
+        assert loaded.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False) == training_text
+        got = loaded.apply_chat_template(MESSAGES, add_generation_prompt=True, return_dict=True)["input_ids"]
+        assert list(got) == training_ids, kind
+
+
+def test_an_unreadable_chat_template_fails_the_export_in_one_line(base_uri):
+    cfg = make_cfg("chat-run-missing", base_uri, prepare={"input_uri": "s3://eft/raw/unused.jsonl",
+                                                          "format": "chat",
+                                                          "chat_template": "s3://eft/templates/missing.jinja"})
+    model, optim = build_trained_model(cfg, seed=5)
+    write_checkpoint(Store(), cfg.run_uri, model, optim, step=1, trainable_only=True)
+    with pytest.raises(ExportError, match="prepare.chat_template s3://eft/templates/missing.jinja") as info:
+        export_run(cfg, store=Store())
+    assert "\n" not in str(info.value)
+    assert not Store().exists(join(cfg.run_uri, "export"))
