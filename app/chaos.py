@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from app.storage import Store, join
+from app.train.checkpoint import checkpoint_dir_name, is_complete, load_events
 from app.train.metrics import load_heartbeats
 
 SLOT = "trainer_slot"  # one per simulated node, so each training worker lands on its own node
@@ -81,8 +82,10 @@ def start_cluster(worker_nodes: int, cpus_per_node: int = 2, head_cpus: int = 3)
     import ray
     from ray.cluster_utils import Cluster
 
+    from app.cluster import require_token_auth
     from app.local import find_free_port
 
+    require_token_auth()  # every node inherits the token from this process's environment
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": head_cpus, "include_dashboard": True, "dashboard_port": find_free_port(),
         "_system_config": FAST_HEALTH_CHECKS})
@@ -117,6 +120,27 @@ class RunWatcher:
                 return step
             time.sleep(0.2)
         raise TimeoutError(f"{self.run_uri}: no step {at_least} (world size {world_size}) within {timeout_s}s")
+
+    def events(self) -> list[dict]:
+        return load_events(self.store, self.run_uri)
+
+    def wait_jit_checkpoint(self, after: float, timeout_s: float = 60) -> int:
+        """Block until the run has recorded a pre-emption notice (one recorded after `after`)
+        and the just-in-time checkpoint at the notice's step is complete in storage; returns
+        that step. TimeoutError, saying which of the two is missing, if not within `timeout_s`."""
+        deadline = time.time() + timeout_s
+        step = None
+        while time.time() < deadline and self.alive():
+            if step is None:
+                notices = [e for e in self.events() if e["kind"] == "preemption_notice" and e["time"] > after]
+                step = notices[0]["step"] if notices else None
+            if step is not None and is_complete(self.store, join(self.run_uri, checkpoint_dir_name(step))):
+                return step
+            time.sleep(0.2)
+        missing = ("no pre-emption notice recorded" if step is None
+                   else f"the notice at step {step} but no complete just-in-time checkpoint at that step")
+        ended = "" if self.alive() else " (the run ended)"
+        raise TimeoutError(f"{self.run_uri}: {missing} within {timeout_s}s of the notice{ended}")
 
     def recovery_after(self, lost_at: float) -> Optional[float]:
         """Seconds from a node loss to the first step of the next worker group."""

@@ -30,12 +30,19 @@ def cmd_config(args) -> int:
     return 0
 
 
+def print_env(env: dict[str, str]) -> None:
+    # A token in RAY_AUTH_TOKEN would win over the stack's token file.
+    print("unset RAY_AUTH_TOKEN")
+    for key, value in env.items():
+        print(f"export {key}={value}")
+
+
 def cmd_local(args) -> int:
     from app import local
 
     state_dir = Path(args.state_dir)
     if args.action == "up":
-        state = local.up(state_dir, num_cpus=args.num_cpus)
+        state = local.up(state_dir, num_cpus=args.num_cpus, auth_token_path=args.auth_token_path)
         env = local.local_env(state)
         if not args.no_seed:
             from app.config import load_config
@@ -47,15 +54,13 @@ def cmd_local(args) -> int:
             ensure_inputs(cfg, Store.from_config(cfg.storage))
         print(f"# local stack up: S3 {state['s3_endpoint']} (bucket {state['bucket']}), Ray {state['ray_address']}")
         print("# use it in this shell with:  eval \"$(eft local env)\"")
-        for key, value in env.items():
-            print(f"export {key}={value}")
+        print_env(env)
     elif args.action == "env":
         state = local.read_state(state_dir)
         if not state:
             print(f"eft: no local stack recorded in {state_dir} (run `eft local up`)", file=sys.stderr)
             return EXIT_FAILED
-        for key, value in local.local_env(state).items():
-            print(f"export {key}={value}")
+        print_env(local.local_env(state))
     elif args.action == "down":
         state = local.down(state_dir)
         print("local stack stopped" if state else f"no local stack recorded in {state_dir}")
@@ -187,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=["up", "down", "status", "env"])
     p.add_argument("--state-dir", default=".eft", help="where the stack records its PIDs (default .eft)")
     p.add_argument("--num-cpus", type=int, default=None, help="logical CPUs for the Ray head")
+    p.add_argument("--auth-token-path", default=None, metavar="FILE",
+                   help="the Ray token the head requires (default: a new one, <state-dir>/auth_token, mode 0600)")
     p.add_argument("--no-seed", action="store_true",
                    help="do not seed the tiny demo model and corpus into the local bucket")
     p.set_defaults(fn=cmd_local)
@@ -214,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node-type", default=None, help="worker node type (default: per overlay)")
     p.add_argument("--out", default=None, help="directory to write configmap/rayjob/raycluster YAML to")
     p.add_argument("--check", default=None, metavar="DIR", help="validate every YAML under DIR (or a file)")
-    p.add_argument("--crd-dir", default=None, help="KubeRay CRD directory (default: ../shared/kuberay/crds)")
+    p.add_argument("--crd-dir", default=None, help="KubeRay CRD directory (default: the KubeRay v1.7.0 CRDs that ship with eft)")
     p.set_defaults(fn=cmd_manifests)
     p = sub.add_parser("status", help="state, progress, losses and restarts of a run")
     p.add_argument("run_uri", help="the run, e.g. s3://eft/runs/tiny-cpu")

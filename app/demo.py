@@ -59,8 +59,11 @@ def run_demo(config_path: Optional[str] = None, state_dir: Path = Path(".eft"), 
 
     overrides = [f"training.max_steps={max_steps}"] if max_steps else []
     cfg = load_config(config_path or DEFAULT_CONFIG, overrides)
-    started_stack = not (os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("RAY_ADDRESS"))
-    if started_stack:
+    use_stack = not (os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("RAY_ADDRESS"))
+    # A stack that `eft local up` left running in state_dir is the user's: use it, leave it up.
+    running = local.status(state_dir) if use_stack else None
+    started_stack = use_stack and not (running and running["s3_alive"] and running["ray_alive"])
+    if use_stack:
         state = local.up(state_dir)
         os.environ.update(local.local_env(state))
         log.info("local stack up: S3 %s, Ray %s", state["s3_endpoint"], state["ray_address"])

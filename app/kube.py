@@ -27,7 +27,8 @@ import yaml
 from app.config import ConfigError, JobConfig, build_config, dump_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_CRD_DIR = REPO_ROOT.parent / "shared" / "kuberay" / "crds"
+# Vendored KubeRay v1.7.0 CRDs, shipped as package data (see kuberay_crds/README.md).
+DEFAULT_CRD_DIR = Path(__file__).resolve().parent / "kuberay_crds"
 CRD_FILES = ("ray.io_rayclusters.yaml", "ray.io_rayjobs.yaml")
 
 RAY_VERSION = "2.60.0"

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
+from app.cluster import AUTH_MODE_ENV, TOKEN_ENV, TOKEN_PATH_ENV, default_num_cpus, write_token
+
 # The emulator accepts any key pair; these are not secrets, and real runs never see them.
 LOCAL_S3_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -146,10 +148,10 @@ def state_file(state_dir: Path) -> Path:
 
 
 def local_env(state: dict) -> dict[str, str]:
-    """The environment a shell needs to use the local stack. `ray start` turns token auth on
-    (the token stays in ~/.ray/auth_token); a client joining by address must be told to use it."""
+    """The environment a shell needs to use the local stack: the S3 endpoint, the Ray address,
+    and where the stack's Ray token is (the head refuses clients without it)."""
     env = {**LOCAL_S3_ENV, "AWS_ENDPOINT_URL": state["s3_endpoint"], "RAY_ADDRESS": state["ray_address"],
-           "RAY_AUTH_MODE": "token"}
+           AUTH_MODE_ENV: "token", TOKEN_PATH_ENV: state["auth_token_path"]}
     if state.get("dashboard_url"):  # where `ray job submit` finds the head
         env["RAY_API_SERVER_ADDRESS"] = state["dashboard_url"]
     return env
@@ -169,8 +171,10 @@ def _alive(pid: int) -> bool:
 
 
 def up(state_dir: Path, num_cpus: Optional[int] = None, s3_port: Optional[int] = None,
-       ray_port: Optional[int] = None, bucket: str = DEFAULT_BUCKET) -> dict:
-    """Start S3 + a Ray head; idempotent while both still run."""
+       ray_port: Optional[int] = None, bucket: str = DEFAULT_BUCKET,
+       auth_token_path: Optional[Path] = None) -> dict:
+    """Start S3 + a Ray head with token auth; idempotent while both still run. The head uses
+    the token at `auth_token_path` if given, else a new one written to the state dir."""
     state_dir = Path(state_dir).absolute()
     state_dir.mkdir(parents=True, exist_ok=True)
     state = read_state(state_dir)
@@ -178,12 +182,21 @@ def up(state_dir: Path, num_cpus: Optional[int] = None, s3_port: Optional[int] =
         return state
     if state:
         down(state_dir)
+    if auth_token_path is not None:
+        token_path = Path(auth_token_path).absolute()
+        if not token_path.is_file() or not token_path.read_text().strip():
+            raise FileNotFoundError(f"--auth-token-path: {token_path}: no token in that file")
+    else:
+        token_path = write_token(state_dir / "auth_token")
     s3 = start_s3_server(s3_port, bucket, log_path=state_dir / "s3.log")
     ray_port = ray_port or find_free_port()
     dashboard_port = find_free_port()
-    # Ray Data needs CPU slots beside the training workers; logical CPUs are cheap on one box.
-    num_cpus = num_cpus or max(8, 4 * (os.cpu_count() or 2))
-    env = {**os.environ, **LOCAL_S3_ENV, "AWS_ENDPOINT_URL": s3.endpoint, "RAY_USAGE_STATS_ENABLED": "0"}
+    num_cpus = num_cpus or default_num_cpus()
+    # Token auth on by the head's own environment, not by Ray's default (which depends on what
+    # ~/.ray holds); a token from the caller's environment must not override the stack's.
+    env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+    env.update({**LOCAL_S3_ENV, "AWS_ENDPOINT_URL": s3.endpoint, "RAY_USAGE_STATS_ENABLED": "0",
+                AUTH_MODE_ENV: "token", TOKEN_PATH_ENV: str(token_path)})
     ray_bin = Path(sys.executable).with_name("ray")
     log = open(state_dir / "ray.log", "ab")
     ray_proc = subprocess.Popen(
@@ -211,7 +224,7 @@ def up(state_dir: Path, num_cpus: Optional[int] = None, s3_port: Optional[int] =
     state = {
         "s3_pid": s3.proc.pid, "s3_endpoint": s3.endpoint, "bucket": bucket,
         "ray_pid": ray_proc.pid, "ray_address": f"127.0.0.1:{ray_port}", "num_cpus": num_cpus,
-        "dashboard_url": f"http://127.0.0.1:{dashboard_port}",
+        "dashboard_url": f"http://127.0.0.1:{dashboard_port}", "auth_token_path": str(token_path),
     }
     state_file(state_dir).write_text(json.dumps(state, indent=2))
     return state

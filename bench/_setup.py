@@ -57,7 +57,10 @@ def start_ray(num_cpus: int = 8) -> None:
     slots beside the training workers). Workers inherit this process's env."""
     import ray
 
+    from app.cluster import require_token_auth
+
     if not ray.is_initialized():
+        require_token_auth()
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, log_to_driver=False,
                  runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
 

@@ -75,7 +75,10 @@ def run_under_ray(args, argv: list[str]) -> None:
 
     i = argv.index("--ray-workers")
     worker_argv = argv[:i] + argv[i + 2:] + ["--process-start", str(PROCESS_START)]
-    ray.init(address="local", num_cpus=max(8, 4 * (os.cpu_count() or 2)), include_dashboard=True,
+    from app.cluster import default_num_cpus, require_token_auth
+
+    require_token_auth()  # as eft's own local Ray
+    ray.init(address="local", num_cpus=default_num_cpus(), include_dashboard=True,
              log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parent)}})
     try:
         with tempfile.TemporaryDirectory(prefix="bare-loop-ray-") as storage:

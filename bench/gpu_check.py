@@ -106,7 +106,8 @@ def run_check(root: str, store, args, size: dict, use_gpu: bool) -> tuple[list[l
 
     from app.data.prepare import prepare_dataset
     from app.tiny import build_corpus, write_jsonl
-    from app.train.launch import init_ray, run_training
+    from app.cluster import init_ray
+    from app.train.launch import run_training
     from app.train.metrics import load_metrics
 
     t0 = time.monotonic()

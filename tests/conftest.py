@@ -30,6 +30,9 @@ def ray_cluster(s3):
     Ray Data has slots beside the training workers."""
     import ray
 
+    from app.cluster import require_token_auth
+
+    require_token_auth()  # a private token: nothing read from or written to ~/.ray
     ray.init(address="local", num_cpus=8, include_dashboard=True, log_to_driver=True,
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     yield ray

@@ -311,3 +311,37 @@ def test_check_without_crds_fails_naming_the_path(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip() == f"eft: error: --crd-dir: {tmp_path / 'no-crds'}: KubeRay CRD directory not " \
                                     "found (expected ray.io_rayclusters.yaml, ray.io_rayjobs.yaml)"
+
+
+def test_installed_package_carries_the_crds_and_checks_from_any_directory(tmp_path):
+    """A wheel built from the project holds the vendored CRDs; installed on its own (not the
+    checkout), `eft manifests --check` validates from an unrelated directory."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(ROOT / "app", src / "app", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", src)
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                            "-w", str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-2000:]
+    (wheel,) = (tmp_path / "dist").glob("eft-*.whl")
+    site = tmp_path / "site"
+    installed = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site),
+                                str(wheel)], capture_output=True, text=True, timeout=300)
+    assert installed.returncode == 0, installed.stderr[-2000:]
+    for name in (*kube.CRD_FILES, "LICENSE", "README.md"):
+        assert (site / "app" / "kuberay_crds" / name).is_file(), name
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {**CLI_ENV, "PYTHONPATH": str(site)}
+    where = subprocess.run([sys.executable, "-c", "import app.kube as k; print(k.DEFAULT_CRD_DIR)"], cwd=elsewhere,
+                           env=env, capture_output=True, text=True, timeout=120)
+    assert where.stdout.strip() == str(site / "app" / "kuberay_crds"), where.stderr[-2000:]
+    rendered = subprocess.run([sys.executable, "-m", "app.cli", "manifests", str(REFERENCE), "--overlay", "eks-spot",
+                               "--image", IMAGE, "--out", "m"], cwd=elsewhere, env=env, capture_output=True,
+                              text=True, timeout=300)
+    assert rendered.returncode == 0, rendered.stderr[-2000:]
+    checked = subprocess.run([sys.executable, "-m", "app.cli", "manifests", "--check", "m"], cwd=elsewhere, env=env,
+                             capture_output=True, text=True, timeout=300)
+    assert checked.returncode == 0, checked.stdout[-2000:] + checked.stderr[-2000:]
+    assert checked.stdout.strip() == "ok: 3 manifest(s) pass the KubeRay CRD schemas and the policy checks"

@@ -1,24 +1,41 @@
-"""The embedded stack (`eft local up/down`) and the demo's core, as a user runs them."""
+"""The embedded stack (`eft local up/down`) and `make demo`, as a new user runs them: a shell
+with no AWS or Ray variables and an empty home directory."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import stat
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import boto3
 
-from app.demo import run_demo
-from app.storage import Store
+from app.config import load_config
+from app.demo import DEFAULT_CONFIG, ensure_inputs
+from app.storage import Store, join
 
 ROOT = Path(__file__).resolve().parents[1]
+EFT = str(Path(sys.executable).with_name("eft"))  # the console script `make demo` runs
 
 
-def eft(*args, env=None, timeout=240):
-    return subprocess.run([sys.executable, "-m", "app.cli", *args], capture_output=True, text=True, cwd=ROOT,
-                          env=env, timeout=timeout)
+def eft(*args, env=None, timeout=240, cwd=ROOT):
+    return subprocess.run([EFT, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
+
+
+def fresh_shell(home: Path) -> dict:
+    """This process's environment as a new user's shell has it: no AWS or Ray settings (the
+    test session's own S3 endpoint and Ray token live there), and an empty home."""
+    home.mkdir(parents=True, exist_ok=True)
+    return {**{k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "RAY_"))}, "HOME": str(home)}
+
+
+def exports_of(stdout: str) -> dict:
+    return dict(line[len("export "):].split("=", 1) for line in stdout.splitlines() if line.startswith("export "))
 
 
 def alive(pid: int) -> bool:
@@ -29,64 +46,132 @@ def alive(pid: int) -> bool:
         return False
 
 
-def test_local_up_seeds_serves_and_down_stops_only_its_own(tmp_path):
-    import json
+def wait_dead(*pids: int, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.5)
 
+
+def test_local_up_on_a_fresh_home_requires_its_token_and_down_stops_only_its_own(tmp_path):
+    home, state_dir = tmp_path / "home", tmp_path / "state"
+    shell = fresh_shell(home)
     bystander = subprocess.Popen(["sleep", "300"], start_new_session=True)
-    clean_env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "RAY_ADDRESS"))}
-    up = eft("local", "up", "--state-dir", str(tmp_path), "--num-cpus", "3", env=clean_env)
+    up = eft("local", "up", "--state-dir", str(state_dir), "--num-cpus", "3", env=shell)
     assert up.returncode == 0, up.stderr
-    exports = dict(line[len("export "):].split("=", 1) for line in up.stdout.splitlines()
-                   if line.startswith("export "))
-    assert {"AWS_ENDPOINT_URL", "RAY_ADDRESS"} <= exports.keys()
-    state = json.loads((tmp_path / "local.json").read_text())
+    exports = exports_of(up.stdout)
+    state = json.loads((state_dir / "local.json").read_text())
     try:
+        token = Path(exports["RAY_AUTH_TOKEN_PATH"])
+        assert exports["RAY_AUTH_MODE"] == "token" and token == state_dir / "auth_token"
+        assert stat.S_IMODE(token.stat().st_mode) == 0o600 and len(token.read_text()) >= 32
+        assert token.read_text() not in up.stdout + up.stderr + (state_dir / "local.json").read_text()
         s3 = boto3.client("s3", endpoint_url=exports["AWS_ENDPOINT_URL"], region_name="us-east-1",
-                          aws_access_key_id="testing", aws_secret_access_key="testing")
+                          aws_access_key_id=exports["AWS_ACCESS_KEY_ID"],
+                          aws_secret_access_key=exports["AWS_SECRET_ACCESS_KEY"])
         keys = {o["Key"] for o in s3.list_objects_v2(Bucket="eft")["Contents"]}
         assert {"models/tiny-llama/config.json", "raw/pydoc.jsonl"} <= keys
+        user = {**shell, **exports}
         probe = subprocess.run([sys.executable, "-c", "import ray; ray.init(); print(ray.cluster_resources()['CPU'])"],
-                               capture_output=True, text=True, env={**clean_env, **exports}, timeout=120)
+                               capture_output=True, text=True, env=user, timeout=120)
         assert probe.stdout.strip().splitlines()[-1] == "3.0", probe.stderr[-2000:]
-        assert eft("local", "status", "--state-dir", str(tmp_path)).returncode == 0
+        assert eft("local", "status", "--state-dir", str(state_dir), env=shell).returncode == 0
+        assert exports_of(eft("local", "env", "--state-dir", str(state_dir), env=shell).stdout) == exports
+
+        # A client that lacks the token, or holds another one, is refused; the user reads one line.
+        cfg = "jobs/configs/tiny-cpu.yaml"
+        assert eft("prepare", cfg, env=user).returncode == 0
+        no_token = eft("train", cfg, env={k: v for k, v in user.items() if k != "RAY_AUTH_TOKEN_PATH"})
+        assert no_token.returncode == 1 and "Traceback" not in no_token.stderr
+        assert no_token.stderr.strip().splitlines()[-1].startswith(
+            "eft: error: Token authentication is enabled but no authentication token was found"), no_token.stderr
+        (tmp_path / "other_token").write_text(uuid.uuid4().hex * 2)
+        wrong = eft("train", cfg, env={**user, "RAY_AUTH_TOKEN_PATH": str(tmp_path / "other_token")})
+        assert wrong.returncode == 1 and "Traceback" not in wrong.stderr
+        assert wrong.stderr.strip().splitlines()[-1].startswith(
+            f"eft: error: RAY_ADDRESS={exports['RAY_ADDRESS']}: Failed to connect"), wrong.stderr
+        assert "RAY_AUTH_TOKEN_PATH" in wrong.stderr.strip().splitlines()[-1]
+        assert not s3.list_objects_v2(Bucket="eft", Prefix="runs/").get("Contents"), "refused run wrote objects"
     finally:
-        down = eft("local", "down", "--state-dir", str(tmp_path))
+        down = eft("local", "down", "--state-dir", str(state_dir), env=shell)
     assert down.returncode == 0 and "stopped" in down.stdout
-    deadline = time.monotonic() + 30
-    while (alive(state["ray_pid"]) or alive(state["s3_pid"])) and time.monotonic() < deadline:
-        time.sleep(0.5)
+    wait_dead(state["ray_pid"], state["s3_pid"])
     assert not alive(state["ray_pid"]) and not alive(state["s3_pid"])
     assert alive(bystander.pid)
     bystander.kill()
-    assert eft("local", "status", "--state-dir", str(tmp_path)).returncode == 1
+    assert eft("local", "status", "--state-dir", str(state_dir), env=shell).returncode == 1
+    assert not (home / ".ray").exists()
 
 
-def test_demo_core_runs_end_to_end(s3, ray_cluster, capsys):
-    """`make demo` minus the venv: corpus → tokenizer + base → prepare → LoRA/FSDP2 train →
-    export → generate, on this session's S3 endpoint and Ray cluster; exit 0 needs falling loss."""
-    assert run_demo(max_steps=12) == 0
-    out = capsys.readouterr().out
-    assert "train loss" in out and "sample:" in out
-    store = Store()
-    files = store.list_files("s3://eft/runs/tiny-cpu/export")
-    assert any(f.endswith("adapter/adapter_model.safetensors") for f in files)
-    assert any(f.endswith("merged/model.safetensors") for f in files)
-    assert store.read_json("s3://eft/runs/tiny-cpu/summary.json")["steps"] == 12
+def test_local_up_uses_the_token_it_is_given(tmp_path):
+    shell = fresh_shell(tmp_path / "home")
+    given = tmp_path / "my_token"
+    given.write_text(uuid.uuid4().hex * 2)
+    up = eft("local", "up", "--state-dir", str(tmp_path / "state"), "--no-seed", "--num-cpus", "2",
+             "--auth-token-path", str(given), env=shell)
+    try:
+        assert up.returncode == 0, up.stderr
+        exports = exports_of(up.stdout)
+        assert exports["RAY_AUTH_TOKEN_PATH"] == str(given) and not (tmp_path / "state" / "auth_token").exists()
+        probe = subprocess.run([sys.executable, "-c", "import ray; ray.init(); print('joined')"], capture_output=True,
+                               text=True, env={**shell, **exports}, timeout=120)
+        assert probe.stdout.strip().splitlines()[-1] == "joined", probe.stderr[-2000:]
+    finally:
+        eft("local", "down", "--state-dir", str(tmp_path / "state"), env=shell)
+    missing = eft("local", "up", "--state-dir", str(tmp_path / "state2"), "--auth-token-path",
+                  str(tmp_path / "nope"), env=shell)
+    assert missing.returncode == 1
+    assert missing.stderr.strip().splitlines() == [
+        f"eft: error: --auth-token-path: {tmp_path / 'nope'}: no token in that file"]
+    assert not (tmp_path / "state2" / "local.json").exists()
 
 
-def test_cli_config_prepare_and_export_on_the_demo_config(s3, ray_cluster):
-    """The README's commands through the real console entry point (after the demo test ran,
-    the corpus, base model and a finished tiny-cpu run are in the bucket)."""
-    env = dict(os.environ)
+def test_make_demo_runs_end_to_end_on_a_fresh_home(tmp_path):
+    """What `make demo` runs (`.venv/bin/eft demo`), from a shell with nothing set up: the demo
+    starts its own stack in ./.eft, trains, exports, generates, and stops the stack."""
+    home = tmp_path / "home"
+    demo = eft("demo", "--max-steps", "12", env=fresh_shell(home), cwd=tmp_path, timeout=600)
+    assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:]
+    out = demo.stdout
+    assert re.search(r"^exported: (s3://eft/runs/tiny-cpu/export/checkpoint-00000012)/adapter \(adapter\), "
+                     r"\1/merged \(merged\)$", out, re.MULTILINE), out[-3000:]
+    assert "sample:" in out and "over 12 steps" in out
+    first, final = map(float, re.search(r"^train loss (\S+) → (\S+) over 12 steps$", out, re.MULTILINE).groups())
+    assert final < first
+    assert not (home / ".ray").exists()
+    # The stack it started is gone: no state left, no process of it alive.
+    assert not (tmp_path / ".eft" / "local.json").exists()
+    ray_log = (tmp_path / ".eft" / "ray.log").read_text()
+    assert "Ray runtime started" in ray_log
+
+
+def test_cli_config_prepare_train_and_export(s3, ray_cluster, tmp_path):
+    """The README's step-by-step commands through the console entry point, against this
+    session's S3 endpoint and Ray cluster (the token is in the session's environment)."""
+    run_id = uuid.uuid4().hex[:6]
     cfg_path = "jobs/configs/tiny-cpu.yaml"
-    shown = eft("config", cfg_path, "--set", "training.max_steps=7", env=env)
-    assert shown.returncode == 0 and "max_steps: 7" in shown.stdout and "secret" not in shown.stdout.lower()
-    prepared = eft("prepare", cfg_path, "--set", "data.uri=s3://eft/data/cli-prepared", env=env)
+    sets = ["--set", f"name=cli-{run_id}", "--set", f"data.uri=s3://eft/data/cli-{run_id}",
+            "--set", "training.max_steps=2", "--set", "checkpoint.save_every_steps=2",
+            "--set", "training.eval_every_steps=2"]
+    ensure_inputs(load_config(DEFAULT_CONFIG), Store())
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
+
+    shown = eft("config", cfg_path, *sets, env=env)
+    assert shown.returncode == 0 and "max_steps: 2" in shown.stdout and f"name: cli-{run_id}" in shown.stdout
+    assert "secret" not in shown.stdout.lower()
+    prepared = eft("prepare", cfg_path, *sets, env=env)
     assert prepared.returncode == 0, prepared.stderr[-2000:]
-    assert "train rows" in prepared.stdout
-    again = eft("prepare", cfg_path, "--set", "data.uri=s3://eft/data/cli-prepared", env=env)
+    assert f"prepared s3://eft/data/cli-{run_id}:" in prepared.stdout and "train rows" in prepared.stdout
+    again = eft("prepare", cfg_path, *sets, env=env)
     assert again.returncode == 1
     assert again.stderr.strip().splitlines()[-1].startswith("eft: error: dataset already prepared at")
-    exported = eft("export", cfg_path, env=env)
+
+    trained = eft("train", cfg_path, *sets, env=env, timeout=600)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    run_uri = f"s3://eft/runs/cli-{run_id}"
+    assert Store().read_json(join(run_uri, "summary.json"))["steps"] == 2
+    exported = eft("export", cfg_path, *sets, env=env)
     assert exported.returncode == 0, exported.stderr[-2000:]
-    assert '"adapter_uri"' in exported.stdout
+    out = json.loads(exported.stdout)
+    assert out["export_uri"] == join(run_uri, "export", "checkpoint-00000002")
+    assert out["adapter_uri"] == join(out["export_uri"], "adapter")
+    assert Store().exists(join(out["adapter_uri"], "adapter_model.safetensors"))

@@ -68,8 +68,10 @@ def val_loss(step: int) -> float:
 def run_steps(store: Store, cfg, heartbeat: Heartbeat, world: int, first: int, last: int,
               flush_through: int | None = None, extra: dict | None = None) -> MetricsLog:
     """Steps first..last as the loop records them; metrics.jsonl is rewritten only through
-    `flush_through` (the loop flushes at checkpoints), heartbeats every step."""
-    log = MetricsLog(store, cfg.run_uri, enabled=True)
+    `flush_through` (the loop flushes at checkpoints), heartbeats every step. The loop's timed
+    background rewrites of metrics.jsonl are off (an infinite interval), and the heartbeats'
+    background writes are waited for: on return, storage holds exactly that."""
+    log = MetricsLog(store, cfg.run_uri, enabled=True, upload_interval_s=math.inf)
     log.load(up_to_step=first - 1)
     timer = StepTimer(cfg.training.max_steps, start_step=first - 1)
     every = cfg.training.eval_every_steps
@@ -83,6 +85,7 @@ def run_steps(store: Store, cfg, heartbeat: Heartbeat, world: int, first: int, l
         heartbeat.beat(step)
         if step == (flush_through or last):
             log.flush()
+    heartbeat.flush()
     return log
 
 
@@ -177,15 +180,18 @@ def test_status_json(store, finished_run, capsys):
 def test_status_of_running_run(store, capsys, monkeypatch):
     cfg, flushed = write_running_run(store)
     run = load_run(store, cfg.run_uri)
-    status = build_status(run)
-    assert status["state"] == "running"
     # The heartbeat is ahead of metrics.jsonl, which was last rewritten at step 6.
+    assert [m["step"] for m in run["metrics"]] == list(range(1, 7))
+    (beat,) = run["heartbeats"]
+    assert (beat["first_step"], beat["last_step"]) == (1, 8)
+    status = build_status(run, now=beat["last_step_at"] + 1)
+    assert status["state"] == "running"
     assert (status["step"], status["metrics_step"]) == (8, 6)
     assert status["train_loss"] == pytest.approx(train_loss(6))
     assert status["eta_s"] is not None and 0 <= status["eta_s"] <= flushed["eta_s"]
     assert status["val_loss"] is None and status["restarts"] == 0
 
-    later = run["heartbeats"][-1]["last_step_at"] + 300
+    later = beat["last_step_at"] + 300
     assert run_state(run, now=later) == "stopped (no heartbeat for 300 s)"
     assert build_status(run, now=later)["eta_s"] is None
 

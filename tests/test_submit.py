@@ -43,8 +43,11 @@ def job_status(env, submission_id: str) -> str:
 
 
 def test_ray_job_submit_trains_and_reports_errors(tmp_path):
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "RAY_ADDRESS"))}
-    up = run([sys.executable, "-m", "app.cli", "local", "up", "--state-dir", str(tmp_path)], clean)
+    # A new user's shell: no AWS or Ray settings (the session's token among them), an empty home.
+    (tmp_path / "home").mkdir()
+    clean = {**{k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "RAY_"))},
+             "HOME": str(tmp_path / "home")}
+    up = run([sys.executable, "-m", "app.cli", "local", "up", "--state-dir", str(tmp_path / "stack")], clean)
     assert up.returncode == 0, up.stderr[-2000:]
     env = {**clean, **dict(line[len("export "):].split("=", 1) for line in up.stdout.splitlines()
                            if line.startswith("export "))}
@@ -67,5 +70,13 @@ def test_ray_job_submit_trains_and_reports_errors(tmp_path):
         logs = run([RAY, "job", "logs", "--address", env["RAY_API_SERVER_ADDRESS"], bad], env).stdout
         assert f"eft: error: {cfg}: training.lr_typo: unknown key" in logs
         assert "Traceback" not in logs
+
+        # The Jobs API wants the token too: the same CLI, from a shell without the token
+        # settings, is refused by the head.
+        tokenless = {k: v for k, v in env.items() if not k.startswith("RAY_AUTH_")}
+        listed = run([RAY, "job", "list", "--address", env["RAY_API_SERVER_ADDRESS"]], tokenless, timeout=120)
+        assert listed.returncode != 0 and good not in listed.stdout
+        assert "Unauthorized: Missing authentication token" in listed.stdout + listed.stderr
     finally:
-        run([sys.executable, "-m", "app.cli", "local", "down", "--state-dir", str(tmp_path)], clean)
+        run([sys.executable, "-m", "app.cli", "local", "down", "--state-dir", str(tmp_path / "stack")], clean)
+    assert not (tmp_path / "home" / ".ray").exists()

@@ -3,10 +3,10 @@ Llama: loss falls, checkpoints hold adapters only, resume is exact, world size m
 
 from __future__ import annotations
 
-import json
 import pickle
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +17,7 @@ from app.data.stream import DataOrder
 from app.storage import Store, join
 from app.train.checkpoint import list_checkpoints, load_events
 from app.train.launch import run_training
-from app.train.metrics import load_metrics
+from app.train.metrics import load_heartbeats, load_metrics
 
 BASE = "s3://eft/models/tiny-train"
 DATA = "s3://eft/data/train-tests"
@@ -348,9 +348,11 @@ def test_ddp_follows_the_same_trajectory_as_fsdp(straight_run):
     _, _, reference = straight_run
     summary = run_training(make_cfg("ddp", training={"parallelism": "ddp", "max_steps": 3}))
     metrics = load_metrics(Store(), make_cfg("ddp").run_uri)
-    assert summary["status"] == "succeeded"
-    for got, want in zip(metrics, reference[:3]):
-        assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)
+    assert summary["status"] == "succeeded" and summary["steps"] == 3
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert step_rows(metrics) == step_rows(reference[:3])
+    for got, want in zip(metrics, reference[:3], strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-4), got["step"]
 
 
 def test_full_finetune_checkpoints_every_weight(dataset):
@@ -393,9 +395,22 @@ def test_cli_errors_are_one_line_and_non_zero(tmp_path):
 def test_events_record_each_worker_group(straight_run):
     cfg, _, _ = straight_run
     events = load_events(Store(), cfg.run_uri)
-    kinds = [e["kind"] for e in events]
-    assert kinds == ["driver_start", "worker_group_start"]
-    assert json.dumps(events)  # serializable, machine-readable
+    store = Store()
+    assert [e["kind"] for e in events] == ["driver_start", "worker_group_start"]
+    driver, group = events
+    # One object per event, named by its id; the id leads with the event's UTC time.
+    assert store.list_files(join(cfg.run_uri, "events")) == sorted(f"{e['id']}.json" for e in events)
+    for event in events:
+        assert event["id"].startswith(time.strftime("%Y%m%dT%H%M%S", time.gmtime(event["time"])))
+    assert driver["resumed"] is False
+    assert driver["time"] <= group["time"]
+    assert {k: group[k] for k in ("world_size", "resumed_from_step", "padding_rows")} == \
+        {"world_size": 2, "resumed_from_step": None, "padding_rows": 0}
+    # The group's heartbeat carries its event id: that is how interruptions are accounted.
+    (beat,) = load_heartbeats(store, cfg.run_uri)
+    assert beat["attempt"] == group["id"] and beat["world_size"] == 2
+    assert (beat["first_step"], beat["last_step"]) == (1, 12)
+    assert group["time"] <= beat["started_at"] <= beat["first_step_at"] <= beat["last_step_at"]
 
 
 def _compare_sharded_load(config: dict) -> None:
@@ -452,7 +467,6 @@ def test_driver_loss_resumes_with_the_data_position(straight_run, tmp_path):
     """`eft train` killed outright mid-run, then the same command again: it resumes from the
     latest checkpoint with the data position intact, and the summary shows one driver restart."""
     import os
-    import time
 
     import ray
 

@@ -451,10 +451,9 @@ def build_token_dataset(cfg: JobConfig, inputs: InputFiles, tokenizer: Tokenizer
 
 def iter_ray_tokenized(cfg: JobConfig, inputs: InputFiles, tokenizer: TokenizerSpec,
                        chat: Optional[ChatFormat] = None) -> Iterator[pa.Table]:
-    import ray
+    from app.cluster import init_ray
 
-    if not ray.is_initialized():
-        ray.init()
+    init_ray(num_cpus=os.cpu_count())  # a Ray of its own only when none is joined or running
     with preserving_order():
         yield from build_token_dataset(cfg, inputs, tokenizer, chat).iter_batches(batch_format="pyarrow",
                                                                                  batch_size=None)

@@ -6,15 +6,23 @@ cluster's nodes on a 20 s tick. After a node is lost, Train can therefore retry 
 size, wait out `worker_group_start_timeout_s` for a worker that cannot be placed, and only
 then settle for fewer; a returning node likewise goes unseen for up to a tick. Two fixes:
 * a controller callback asks the coordinator to recompute right before Train acts on a
-  failure, so the restart is sized on the nodes alive now (shrinking after a loss);
+  failure, so the restart is sized on the nodes alive now (shrinking after a loss). A node
+  killed outright is still listed alive until the GCS's health checks give up on it, while
+  its peers' collectives fail at once; so the callback first looks for listed-alive nodes
+  whose raylet no longer accepts a connection and waits (bounded) until the GCS declares
+  them dead, or the restart would be sized on them and wait out the start timeout;
 * a driver thread polls the GCS node table (cheap) and asks for a recompute when the set of
   live nodes changes, so a returning node is seen at Train's next resize check (growing).
+The same callback records, as run events, each worker-group launch (its size and what the
+live nodes hold then) and each failure decision: the evidence that a restart was sized on the
+live nodes and waited out no start timeout.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from typing import Optional
 
 log = logging.getLogger("eft.elastic")
 COORDINATOR = ("AutoscalingCoordinator", "AutoscalingCoordinator")  # (name, namespace) in Ray 2.60
@@ -41,19 +49,161 @@ def refresh_autoscaling_view(timeout_s: float = 10.0) -> bool:
         return False
 
 
+def unreachable_nodes(connect_timeout_s: float = 1.0) -> frozenset:
+    """Nodes the GCS lists alive whose raylet refuses (or does not answer) a TCP connection:
+    gone, but not declared dead yet."""
+    import socket
+    from concurrent.futures import ThreadPoolExecutor
+
+    import ray
+
+    nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("NodeManagerPort")]
+
+    def refuses(node) -> bool:
+        try:
+            socket.create_connection((node["NodeManagerAddress"], node["NodeManagerPort"]),
+                                     timeout=connect_timeout_s).close()
+            return False
+        except OSError:
+            return True
+
+    if not nodes:
+        return frozenset()
+    with ThreadPoolExecutor(max_workers=min(len(nodes), 32)) as pool:
+        return frozenset(n["NodeID"] for n, gone in zip(nodes, pool.map(refuses, nodes)) if gone)
+
+
+def wait_until_declared_dead(node_ids: frozenset, timeout_s: float = 30.0) -> bool:
+    """Block until the GCS no longer lists `node_ids` alive (its health checks catch up with
+    a killed node within their window), at most `timeout_s`. Returns whether they are gone."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while node_ids & live_node_ids():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def settle_node_view() -> None:
+    """Before a restart is sized: let the GCS catch up with nodes that are already gone."""
+    try:
+        gone = unreachable_nodes()
+        if gone:
+            log.info("%d node(s) listed alive do not answer; waiting for the GCS to declare them dead", len(gone))
+            if not wait_until_declared_dead(gone):
+                log.warning("the GCS still lists %d unreachable node(s) alive; restarting anyway", len(gone))
+    except Exception as err:  # best effort: never let it break a training run
+        log.debug("could not check node liveness: %s", err)
+
+
+def live_worker_capacity(resources_per_worker: dict) -> int:
+    """How many workers of `resources_per_worker` the live nodes hold in total (each node's
+    resources divided per worker, as Train's elastic policy counts them), busy or not."""
+    import ray
+
+    need = {k: v for k, v in resources_per_worker.items() if v > 0}
+    if not need:
+        return 0
+    return sum(int(min(node["Resources"].get(k, 0.0) // v for k, v in need.items()))
+               for node in ray.nodes() if node.get("Alive"))
+
+
+class ControllerEvents:
+    """Run events written from Ray Train's controller (`<run>/events/`, like the workers'):
+    each worker-group launch with the size chosen and what the live nodes hold, and each
+    failure with the decision taken, the error, and the controller states before and after.
+    A launch that fails (a worker-group start timeout, say) shows as a failure out of
+    SCHEDULING. Recording never raises: it must not affect the run."""
+
+    def __init__(self, store, run_uri: str):
+        self.store, self.run_uri = store, run_uri
+
+    @classmethod
+    def from_run_context(cls, train_run_context) -> "Optional[ControllerEvents]":
+        from app.config import JobConfig
+        from app.storage import Store
+
+        tree = (train_run_context.train_loop_config or {}).get("cfg")
+        if tree is None:
+            return None
+        cfg = JobConfig.model_validate(tree)
+        return cls(Store.from_config(cfg.storage), cfg.run_uri)
+
+    def record(self, kind: str, **fields) -> None:
+        from app.train.checkpoint import record_event
+
+        try:
+            record_event(self.store, self.run_uri, kind, **fields)
+        except Exception as err:  # storage trouble must not fail the controller
+            log.warning("could not record %s: %s", kind, err)
+
+
+def describe_error(error) -> dict:
+    """The error class, the class of what a ControllerError wraps, and the first line."""
+    inner = getattr(error, "controller_failure", None)
+    lines = str(inner if inner is not None else error).strip().splitlines()
+    return {"error": type(error).__name__, "cause": type(inner).__name__ if inner is not None else None,
+            "message": lines[0][:300] if lines else ""}
+
+
 def build_refresh_callback():
-    """A Ray Train controller callback (a developer API of Ray Train V2), or None if this Ray
-    has no such hook."""
+    """A Ray Train controller callback (a developer API of Ray Train V2) that refreshes the
+    autoscaling view before each failure decision is carried out and records the controller's
+    launches and failures as run events; None if this Ray has no such hook."""
     try:
         from ray.train.v2._internal.execution.callback import ControllerCallback
     except ImportError:
         return None
 
     class RefreshBeforeRestart(ControllerCallback):
+        def __init__(self):
+            self.events: Optional[ControllerEvents] = None
+            self.resources_per_worker: dict = {}
+            self.pending_decision: Optional[str] = None
+
+        def after_controller_start(self, train_run_context) -> None:
+            try:
+                self.events = ControllerEvents.from_run_context(train_run_context)
+                scaling = train_run_context.scaling_config
+                self.resources_per_worker = dict(getattr(scaling, "_resources_per_worker_not_none", None)
+                                                 or scaling.resources_per_worker or {})
+            except Exception as err:
+                log.warning("controller events off: %s", err)
+
+        def on_controller_start_worker_group(self, *, scaling_config, num_workers: int):
+            if self.events is not None:
+                try:
+                    capacity = live_worker_capacity(self.resources_per_worker)
+                except Exception:
+                    capacity = None
+                self.events.record("worker_group_launch", num_workers=num_workers, live_capacity=capacity,
+                                   max_workers=scaling_config.max_workers)
+            return None
+
         def before_controller_execute_failure_decision(self, failure_decision) -> None:
+            self.pending_decision = getattr(failure_decision, "value", str(failure_decision))
+            settle_node_view()
             refresh_autoscaling_view()
 
+        def after_controller_state_update(self, previous_state, current_state) -> None:
+            decision, self.pending_decision = self.pending_decision, None
+            if decision is None or self.events is None:
+                return
+            # RETRY → RESTARTING / RESCHEDULING (with the error); RAISE → SHUTTING_DOWN → ERRORED.
+            error = getattr(current_state, "training_failed_error", None) or getattr(
+                getattr(current_state, "next_state", None), "training_failed_error", None)
+            self.events.record("worker_group_failure", decision=decision,
+                               from_state=state_name(previous_state), to_state=state_name(current_state),
+                               **(describe_error(error) if error is not None else {}))
+
     return RefreshBeforeRestart()
+
+
+def state_name(state) -> str:
+    kind = getattr(state, "_state_type", None)
+    return getattr(kind, "state_name", type(state).__name__)
 
 
 class NodeWatcher:

@@ -10,6 +10,7 @@ import logging
 import os
 import time
 
+from app.cluster import init_ray
 from app.config import JobConfig, dump_config
 from app.data.prepare import load_manifest
 from app.storage import Store, join
@@ -37,21 +38,6 @@ def preflight(cfg: JobConfig, store: Store) -> dict:
         raise ValueError(f"training.global_batch_size {cfg.training.global_batch_size} exceeds the "
                          f"{train_rows} train rows of {cfg.data.uri}")
     return manifest
-
-
-def init_ray(num_cpus: int | None = None) -> None:
-    """Join the cluster named by RAY_ADDRESS, or start a local one with CPU slots to spare
-    for Ray Data beside the training workers."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(log_to_driver=True)
-    else:
-        # The dashboard serves the state API that Ray Train's placement-group cleaner polls.
-        # address="local": never join some other cluster that happens to run on this machine.
-        ray.init(address="local", num_cpus=num_cpus or max(8, 4 * (os.cpu_count() or 2)), include_dashboard=True)
 
 
 def build_trainer(cfg: JobConfig, store: Store, train_fn=None):
@@ -90,7 +76,7 @@ def run_training(cfg: JobConfig, store: Store | None = None, train_fn=None) -> d
     worker loop (tests inject faults with it)."""
     store = store or Store.from_config(cfg.storage)
     preflight(cfg, store)
-    init_ray()
+    init_ray(log_to_driver=True)
     started = time.time()
     resumed = ckpt.find_latest_checkpoint(store, cfg.run_uri) is not None
     # The resolved config is stored with every run; it holds no credentials by construction.

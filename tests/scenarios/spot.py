@@ -57,8 +57,12 @@ def run_scenario(cluster: chaos.LocalCluster, out_path: str, base_uri: str, data
     run = chaos.RunWatcher(store, cfg.run_uri, alive=thread.is_alive)
 
     log = {"notice_after_step": run.wait_step(8)}
-    log["drain_accepted"] = cluster.preempt(cluster.nodes[2], deadline_s=20)
-    time.sleep(4)  # the notice lands, the just-in-time checkpoint is taken, training goes on
+    notice_s = 20
+    noticed_at = time.time()
+    log["drain_accepted"] = cluster.preempt(cluster.nodes[2], deadline_s=notice_s)
+    # The notice lands and the just-in-time checkpoint is taken while training goes on; the
+    # node goes once that checkpoint is complete in storage (it must be, before the deadline).
+    log["jit_checkpoint_step"] = run.wait_jit_checkpoint(after=noticed_at, timeout_s=notice_s)
     log["removed_at"] = time.time()
     cluster.remove(cluster.nodes[2], graceful=True)
     # The run must go on at 2 workers before capacity comes back and it grows to 3 again.

@@ -1,0 +1,97 @@
+"""Joining a Ray cluster, or starting one in this process, always with token authentication.
+
+A Ray cluster runs whatever code a client sends it, so every cluster eft starts requires Ray's
+token auth, and the token lives in a file only this user can read (never in `~/.ray`, which a
+fresh machine does not have and which another cluster's token may occupy). Ray finds the token
+through its documented variables, `RAY_AUTH_MODE=token` and `RAY_AUTH_TOKEN_PATH`, which the
+processes of the cluster inherit from the one that starts them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import secrets
+import shutil
+import tempfile
+from pathlib import Path
+
+AUTH_MODE_ENV = "RAY_AUTH_MODE"
+TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
+TOKEN_ENV = "RAY_AUTH_TOKEN"
+
+
+class ClusterError(RuntimeError):
+    """Ray cannot be joined or started as configured; the message is one line."""
+
+
+def default_num_cpus() -> int:
+    """Logical CPUs for a Ray started on one machine: more than its cores, so Ray Data has slots
+    beside the training workers."""
+    return max(8, 4 * (os.cpu_count() or 2))
+
+
+def write_token(path: Path) -> Path:
+    """A fresh random token at `path`, readable by this user alone (created 0600, never wider)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))  # 256 bits, the form `ray get-auth-token --generate` writes
+    return path
+
+
+def check_auth_mode() -> None:
+    mode = os.environ.get(AUTH_MODE_ENV)
+    if mode and mode.lower() != "token":
+        raise ClusterError(f"{AUTH_MODE_ENV}={mode}: eft starts Ray only with token authentication; "
+                           f"unset {AUTH_MODE_ENV} or set it to token")
+
+
+def require_token_auth() -> None:
+    """Token auth for a Ray cluster this process is about to start: the token the environment
+    names, else a new one in a private directory that lives as long as this process."""
+    check_auth_mode()
+    if not (os.environ.get(TOKEN_ENV) or os.environ.get(TOKEN_PATH_ENV)):
+        token_dir = Path(tempfile.mkdtemp(prefix="eft-ray-auth-"))  # mode 0700
+        # Registered before ray.init, so it runs after Ray's own shutdown hook.
+        atexit.register(shutil.rmtree, token_dir, ignore_errors=True)
+        os.environ[TOKEN_PATH_ENV] = str(write_token(token_dir / "auth_token"))
+    os.environ[AUTH_MODE_ENV] = "token"
+    refresh_ray_auth()
+
+
+def refresh_ray_auth() -> None:
+    """Ray reads its auth mode and token once per process: an `import ray` before the variables
+    were set would keep the old ones. Re-read them, as Ray does when it turns token auth on
+    itself; only valid before this process joins or starts a cluster."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+def init_ray(num_cpus: int | None = None, **kwargs) -> None:
+    """Join the cluster named by RAY_ADDRESS, or start a local one (token auth on) with CPU
+    slots to spare for Ray Data beside the training workers."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        refresh_ray_auth()
+        try:
+            ray.init(**kwargs)
+        except ConnectionError as err:
+            # A head with token auth drops a client with no token or the wrong one, and Ray
+            # says only that it could not connect.
+            raise ClusterError(f"RAY_ADDRESS={address}: {err}; if the cluster requires token auth, set "
+                               f"{AUTH_MODE_ENV}=token and {TOKEN_PATH_ENV} to its token file "
+                               "(for the local stack: eval \"$(eft local env)\")") from err
+        return
+    require_token_auth()
+    # The dashboard serves the state API that Ray Train's placement-group cleaner polls.
+    # address="local": never join some other cluster that happens to run on this machine.
+    ray.init(address="local", num_cpus=num_cpus or default_num_cpus(), include_dashboard=True, **kwargs)
