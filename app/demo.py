@@ -52,7 +52,8 @@ def generate_sample(merged_uri: str, store: Store, prompt: str = "The import sta
 
 def run_demo(config_path: Optional[str] = None, state_dir: Path = Path(".eft"), max_steps: Optional[int] = None,
              keep_stack: bool = False) -> int:
-    from app.data.prepare import prepare_dataset, read_committed_manifest
+    from app.data.manifest import read_committed_manifest
+    from app.data.prepare import prepare_dataset
     from app.export import export_run
     from app.summary import render_summary
     from app.train.launch import run_training

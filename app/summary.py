@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-from app.data.prepare import load_manifest
+from app.data.manifest import load_manifest
 from app.storage import Store, join
 from app.train import checkpoint as ckpt
 from app.train.metrics import load_heartbeats, load_metrics

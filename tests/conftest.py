@@ -42,7 +42,8 @@ def ray_cluster(s3):
 def build_tiny_dataset(cfg, work_dir: Path, max_docs: int = 300) -> dict:
     """A tiny base at cfg.model.uri, the pydoc corpus at cfg.prepare.input_uri, prepared into
     cfg.data.uri (needs the `s3` and `ray_cluster` fixtures). Returns the manifest."""
-    from app.data.prepare import load_manifest, prepare_dataset
+    from app.data.manifest import load_manifest
+    from app.data.prepare import prepare_dataset
     from app.storage import Store
     from app.tiny import build_corpus, save_tiny_base, write_jsonl
 

@@ -19,7 +19,7 @@ import pytest
 
 from app import cli
 from app.config import build_config, dump_config
-from app.data.prepare import FORMAT_VERSION, manifest_uri
+from app.data.manifest import FORMAT_VERSION, manifest_uri
 from app.report import NO_VALIDATION_NOTE, build_status, load_run, run_state, save_report
 from app.storage import Store, join
 from app.summary import build_summary, write_summary

@@ -366,7 +366,7 @@ def test_full_finetune_checkpoints_every_weight(dataset):
 
 
 def test_train_rejects_bad_inputs_before_ray_work(dataset):
-    from app.data.prepare import DatasetError
+    from app.data.manifest import DatasetError
     from app.train.model import ModelError
 
     with pytest.raises(DatasetError, match="s3://eft/data/nothing-here"):

@@ -47,14 +47,16 @@ import pyarrow.parquet as pq
 from app.config import JobConfig
 from app.data.chat import ChatFormat, span_token_mask, tokens_before
 from app.data.formats import Document, Parsed, Skip, build_document, parse_json_line, parse_jsonl_block
+# DatasetError, load_manifest and shard_uris stay importable from here for code written before app.data.manifest.
+from app.data.manifest import (  # noqa: F401
+    FORMAT_VERSION, SHARDS_PREFIX, DatasetError, commit_manifest, delete_unreferenced_shards, load_manifest, manifest_uri,
+    read_committed_manifest, referenced_shard_dirs, shard_uris,
+)
 from app.data.packing import IGNORE_INDEX, Packer, encode_documents, encode_texts, source_key, validation_mask
 from app.storage import Store, StorageError, join
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
-MANIFEST_NAME = "manifest.json"
-SHARDS_PREFIX = "shards-"
 SPLITS = ("train", "validation")
 MAX_SKIPPED_EXAMPLES = 100
 ERROR_EXAMPLES = 3
@@ -95,35 +97,6 @@ SHARD_SCHEMA = pa.schema([
 
 class PrepareError(RuntimeError):
     """A prepare problem, reported as one line naming the URI or record at fault."""
-
-
-class DatasetError(RuntimeError):
-    """A prepared dataset cannot be used, reported as one line naming its URI."""
-
-
-# -- reading a committed dataset --------------------------------------------------------
-
-def manifest_uri(data_uri: str) -> str:
-    return join(data_uri, MANIFEST_NAME)
-
-
-def load_manifest(store: Store, data_uri: str) -> dict:
-    uri = manifest_uri(data_uri)
-    if not store.exists(uri):
-        raise DatasetError(f"no committed dataset at {data_uri}: {MANIFEST_NAME} missing (run `eft prepare`)")
-    try:
-        manifest = json.loads(store.read_bytes(uri))
-    except json.JSONDecodeError as err:
-        raise DatasetError(f"{uri}: not valid JSON ({err})") from None
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise DatasetError(f"{uri}: format_version {manifest.get('format_version')!r} is not {FORMAT_VERSION}")
-    return manifest
-
-
-def shard_uris(data_uri: str, manifest: dict, split: str) -> list[str]:
-    if split not in manifest["splits"]:
-        raise DatasetError(f"{data_uri}: no split {split!r} (have {sorted(manifest['splits'])})")
-    return [join(data_uri, shard["path"]) for shard in manifest["splits"][split]["shards"]]
 
 
 # -- listing inputs ---------------------------------------------------------------------
@@ -760,31 +733,6 @@ def tokenizer_spec(cfg: JobConfig, store: Store, tokenizer, facts: dict) -> Toke
 
 # -- commit protocol ------------------------------------------------------------------------
 
-def referenced_shard_dirs(manifest: Optional[dict]) -> set[str]:
-    if not manifest:
-        return set()
-    return {shard["path"].split("/", 1)[0] for split in manifest.get("splits", {}).values()
-            for shard in split.get("shards", [])}
-
-
-def read_committed_manifest(store: Store, data_uri: str) -> Optional[dict]:
-    """The committed manifest of any format version (only its shard paths matter here), None if
-    absent; an unreadable one counts as absent, since only an overwrite gets this far."""
-    uri = manifest_uri(data_uri)
-    try:
-        manifest = store.read_json(uri) if store.exists(uri) else None
-    except StorageError:
-        return None
-    return manifest if isinstance(manifest, dict) else None
-
-
-def delete_unreferenced_shards(store: Store, data_uri: str, keep: set[str]) -> None:
-    for name in store.list_dirs(data_uri):
-        if name.startswith(SHARDS_PREFIX) and name not in keep:
-            log.info("prepare: deleting unreferenced %s", join(data_uri, name))
-            store.delete_prefix(join(data_uri, name))
-
-
 def check_not_prepared(cfg: JobConfig, store: Store) -> None:
     if store.exists(manifest_uri(cfg.data.uri)) and not cfg.prepare.overwrite:
         raise PrepareError(f"dataset already prepared at {cfg.data.uri} (set prepare.overwrite=true)")
@@ -870,8 +818,7 @@ def prepare_dataset(cfg: JobConfig, store: Optional[Store] = None) -> dict:
         store.delete_prefix(join(cfg.data.uri, shard_dir))
         raise
     manifest = build_manifest(cfg, tokenizer, inputs, splits, consumer, bad, engine, time.monotonic() - started)
-    store.write_json(manifest_uri(cfg.data.uri), manifest)
-    delete_unreferenced_shards(store, cfg.data.uri, {shard_dir})
+    commit_manifest(store, cfg.data.uri, manifest)
     log.info("prepare: committed %s: %d train / %d validation rows, %d tokens, %d records skipped",
              cfg.data.uri, splits["train"]["rows"], splits["validation"]["rows"],
              sum(s["tokens"] for s in splits.values()), bad.count)

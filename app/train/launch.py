@@ -12,7 +12,7 @@ import time
 
 from app.cluster import init_ray
 from app.config import JobConfig, dump_config
-from app.data.prepare import load_manifest
+from app.data.manifest import load_manifest
 from app.storage import Store, join
 from app.summary import build_summary, write_summary
 from app.train import checkpoint as ckpt

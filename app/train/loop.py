@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from app.config import JobConfig
 from app.data.packing import IGNORE_INDEX as IGNORE
-from app.data.prepare import load_manifest, shard_uris
+from app.data.manifest import load_manifest, shard_uris
 from app.data.stream import (DataOrder, RankSlice, iter_rank_rows, iter_step_batches, load_split_rows,
                              micro_batches_per_step, prefetch_in_background)
 from app.storage import Store
