@@ -43,8 +43,42 @@ class DataConfig(_Strict):
     validation_fraction: float = Field(0.0, ge=0, lt=1)
 
 
+class InputSource(_Strict):
+    """One source of a mixture (`prepare.inputs`). Unset record keys fall back to the prepare
+    section's; the chat template (prepare.chat_template or the tokenizer's) is shared."""
+    uri: str = Field(description="raw JSONL or Parquet file or prefix")
+    # Relative share of documents in the mixture (any positive numbers; normalised by their sum).
+    weight: float = Field(1.0, gt=0)
+    input_format: Optional[Literal["jsonl", "parquet"]] = None
+    format: Optional[Literal["text", "instruction", "chat", "sharegpt"]] = None
+    text_field: Optional[str] = None
+    prompt_field: Optional[str] = None
+    response_field: Optional[str] = None
+    messages_field: Optional[str] = None
+    conversations_field: Optional[str] = None
+    sharegpt_roles: Optional[dict[str, Literal["system", "user", "assistant", "tool"]]] = None
+    train_on: Optional[Literal["assistant", "last_assistant", "all"]] = None
+    overlong: Optional[Literal["drop", "truncate", "split"]] = None
+
+
+# The keys an `inputs` entry may set for itself (the rest of the prepare section is shared).
+SOURCE_KEYS = ("input_format", "format", "text_field", "prompt_field", "response_field", "messages_field",
+               "conversations_field", "sharegpt_roles", "train_on", "overlong")
+
+
 class PrepareConfig(_Strict):
-    input_uri: str = Field(description="raw JSONL or Parquet file or prefix")
+    # Exactly one of input_uri (one source) and inputs (a mixture; see "Mixing datasets" in the README).
+    input_uri: Optional[str] = Field(None, description="raw JSONL or Parquet file or prefix")
+    # Several sources mixed into one dataset: [{uri, weight, <any of SOURCE_KEYS>}, ...]. Weights are
+    # relative proportions of documents (parsed records; over-long drops happen after selection).
+    # Without replacement (default) the mixture is the largest one the weights allow (the source that
+    # runs out first limits it) or exactly mix_documents; with replacement it has mix_documents
+    # documents (default: the sum of the sources' documents). Deterministic under mix_seed, which
+    # is independent of training.seed. Local engine only (engine auto picks it).
+    inputs: Optional[list[InputSource]] = None
+    mix_replacement: bool = False
+    mix_documents: Optional[int] = Field(None, gt=0)
+    mix_seed: int = 0
     input_format: Literal["jsonl", "parquet"] = "jsonl"
     format: Literal["text", "instruction", "chat", "sharegpt"] = "text"
     text_field: str = "text"
@@ -78,6 +112,23 @@ class PrepareConfig(_Strict):
     local_threads: Optional[int] = Field(None, gt=0, description="local engine; default: this process's usable cores")
     num_tokenizer_actors: int = Field(2, gt=0)
     overwrite: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "PrepareConfig":
+        if self.input_uri is not None and self.inputs is not None:
+            raise ValueError("set prepare.input_uri or prepare.inputs, not both")
+        if self.input_uri is None and self.inputs is None:
+            raise ValueError("set prepare.input_uri (one source) or prepare.inputs (a mixture)")
+        if self.inputs is not None and not self.inputs:
+            raise ValueError("prepare.inputs is empty (list at least one {uri, weight})")
+        if self.inputs is not None and self.engine == "ray":
+            raise ValueError("prepare.engine ray does not run prepare.inputs mixtures yet (use local or auto)")
+        return self
+
+    def for_source(self, source: InputSource) -> "PrepareConfig":
+        """This section as a single-input one for `source`: its URI and its record keys where set."""
+        own = {key: getattr(source, key) for key in SOURCE_KEYS if getattr(source, key) is not None}
+        return self.model_copy(update={"input_uri": source.uri, "inputs": None, **own})
 
     @property
     def overlong_mode(self) -> str:

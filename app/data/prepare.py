@@ -668,7 +668,8 @@ class DocumentConsumer:
 
     def __init__(self, cfg: JobConfig, splits: dict[str, SplitBuilder], bad: BadRecords):
         self.fraction = cfg.data.validation_fraction
-        self.number_rows = cfg.prepare.input_format == "parquet"
+        # A mixture's rows come numbered by source (app/data/mixing.py).
+        self.number_rows = cfg.prepare.input_format == "parquet" and cfg.prepare.inputs is None
         self.splits, self.bad = splits, bad
         self.read = 0
         self.used = 0
@@ -740,19 +741,25 @@ def check_not_prepared(cfg: JobConfig, store: Store) -> None:
 
 # -- the job --------------------------------------------------------------------------------
 
-def build_manifest(cfg: JobConfig, tokenizer: dict, inputs: InputFiles, splits: dict[str, dict],
-                   consumer: DocumentConsumer, bad: BadRecords, engine: str, wall_s: float) -> dict:
+def build_manifest(cfg: JobConfig, tokenizer: dict, inputs: Optional[InputFiles], splits: dict[str, dict],
+                   consumer: DocumentConsumer, bad: BadRecords, engine: str, wall_s: float, mixture=None) -> dict:
     tokens = sum(s["tokens"] for s in splits.values())
+    if mixture is not None:
+        source = mixture.manifest_source()
+        read = sum(s["records"] for s in source["inputs"])  # each record once, however often it is picked
+    else:
+        source = {"input_uri": cfg.prepare.input_uri, "input_format": cfg.prepare.input_format,
+                  "format": cfg.prepare.format, "files": [relative_source(f, inputs.base) for f in inputs.paths],
+                  "bytes": inputs.total_bytes}
+        read = consumer.read
     return {
         "format_version": FORMAT_VERSION,
         "seq_len": cfg.data.seq_len,
         "created_at": dt.datetime.now(dt.timezone.utc).isoformat(),
         "tokenizer": tokenizer,
-        "source": {"input_uri": cfg.prepare.input_uri, "input_format": cfg.prepare.input_format,
-                   "format": cfg.prepare.format, "files": [relative_source(f, inputs.base) for f in inputs.paths],
-                   "bytes": inputs.total_bytes},
+        "source": source,
         "splits": splits,
-        "records": {"read": consumer.read, "used": consumer.used, "skipped": bad.count,
+        "records": {"read": read, "used": consumer.used, "skipped": bad.count,
                     "skipped_by_reason": dict(bad.by_reason), "skipped_examples": bad.examples,
                     # Documents longer than seq_len, by what prepare.overlong did with them.
                     "overlong": dict(consumer.overlong)},
@@ -773,19 +780,28 @@ def stream_documents(batches: Iterable[pa.Table], consumer: DocumentConsumer, to
                      tokens / (last_log - started), total_bytes / 1e6)
 
 
-def write_dataset(cfg: JobConfig, store: Store, inputs: InputFiles, engine: str, shard_dir: str, pad_id: int,
-                  tokenizer: TokenizerSpec, chat: Optional[ChatFormat] = None,
+def write_dataset(cfg: JobConfig, store: Store, inputs: Optional[InputFiles], engine: str, shard_dir: str, pad_id: int,
+                  tokenizer: TokenizerSpec, chat: Optional[ChatFormat] = None, mixture=None,
                   ) -> tuple[dict[str, dict], DocumentConsumer, BadRecords]:
     data_fs, data_path = store.resolve(cfg.data.uri)
     splits = {name: SplitBuilder(cfg.data.seq_len, pad_id,
                                  ShardWriter(data_fs, data_path, shard_dir, name, cfg.prepare.rows_per_shard,
                                              cfg.data.seq_len))
               for name in SPLITS}
-    bad = BadRecords(cfg.prepare.max_bad_records, cfg.prepare.input_uri)
+    bad = BadRecords(cfg.prepare.max_bad_records, input_label(cfg))
     consumer = DocumentConsumer(cfg, splits, bad)
+    if mixture is not None:
+        stream_documents(mixture.tokenized(tokenizer), consumer, mixture.total_bytes)
+        return {name: split.finish() for name, split in splits.items()}, consumer, bad
     tokenized = (iter_local_tokenized if engine == "local" else iter_ray_tokenized)(cfg, inputs, tokenizer, chat)
     stream_documents(tokenized, consumer, inputs.total_bytes)
     return {name: split.finish() for name, split in splits.items()}, consumer, bad
+
+
+def input_label(cfg: JobConfig) -> str:
+    """The input as errors name it: input_uri, or the mixture's source URIs."""
+    p = cfg.prepare
+    return p.input_uri if p.inputs is None else "prepare.inputs (" + ", ".join(s.uri for s in p.inputs) + ")"
 
 
 def prepare_dataset(cfg: JobConfig, store: Optional[Store] = None) -> dict:
@@ -796,6 +812,8 @@ def prepare_dataset(cfg: JobConfig, store: Optional[Store] = None) -> dict:
     started = time.monotonic()
     check_not_prepared(cfg, store)
     hf_tokenizer = load_tokenizer(store, cfg.tokenizer_uri)
+    if cfg.prepare.inputs is not None:
+        return prepare_mixture(cfg, store, hf_tokenizer, started)
     chat = load_chat_format(cfg, store, hf_tokenizer)
     delete_unreferenced_shards(store, cfg.data.uri, referenced_shard_dirs(read_committed_manifest(store, cfg.data.uri)))
     inputs = list_input_files(store, cfg.prepare.input_uri, cfg.prepare.input_format)
@@ -818,6 +836,37 @@ def prepare_dataset(cfg: JobConfig, store: Optional[Store] = None) -> dict:
         store.delete_prefix(join(cfg.data.uri, shard_dir))
         raise
     manifest = build_manifest(cfg, tokenizer, inputs, splits, consumer, bad, engine, time.monotonic() - started)
+    commit_manifest(store, cfg.data.uri, manifest)
+    log.info("prepare: committed %s: %d train / %d validation rows, %d tokens, %d records skipped",
+             cfg.data.uri, splits["train"]["rows"], splits["validation"]["rows"],
+             sum(s["tokens"] for s in splits.values()), bad.count)
+    return manifest
+
+
+def prepare_mixture(cfg: JobConfig, store: Store, hf_tokenizer, started: float) -> dict:
+    """prepare_dataset for `prepare.inputs` (app/data/mixing.py): planned, then packed as one input."""
+    from app.data.mixing import Mixture
+
+    delete_unreferenced_shards(store, cfg.data.uri, referenced_shard_dirs(read_committed_manifest(store, cfg.data.uri)))
+    mixture = Mixture(cfg, store, hf_tokenizer)
+    tokenizer = describe_tokenizer(cfg, store, hf_tokenizer)
+    spec = tokenizer_spec(cfg, store, hf_tokenizer, tokenizer)
+    shard_dir = f"{SHARDS_PREFIX}{uuid.uuid4().hex[:12]}"
+    log.info("prepare: mixing %s documents from %d sources (%s) → %s/%s on the local engine",
+             sum(mixture.counts), len(mixture.sources), ", ".join(
+                 f"{s.spec.uri}: {k} of {n}" for s, k, n in zip(mixture.sources, mixture.counts, mixture.available)),
+             cfg.data.uri, shard_dir)
+    try:
+        splits, consumer, bad = write_dataset(cfg, store, None, "local", shard_dir, tokenizer["pad_token_id"], spec,
+                                              mixture=mixture)
+        if not splits["train"]["rows"]:
+            raise PrepareError(f"no training rows from {input_label(cfg)} ({consumer.used} documents used, "
+                               f"{splits['validation']['rows']} validation rows)")
+    except BaseException:
+        store.delete_prefix(join(cfg.data.uri, shard_dir))
+        raise
+    manifest = build_manifest(cfg, tokenizer, None, splits, consumer, bad, "local", time.monotonic() - started,
+                              mixture)
     commit_manifest(store, cfg.data.uri, manifest)
     log.info("prepare: committed %s: %d train / %d validation rows, %d tokens, %d records skipped",
              cfg.data.uri, splits["train"]["rows"], splits["validation"]["rows"],

@@ -105,6 +105,8 @@ def preview_records(cfg: JobConfig, count: int, store: Optional[Store] = None):
         raise PrepareError("config has no `prepare` section (set prepare.input_uri)")
     if count < 1:
         raise PrepareError(f"--preview needs a positive number of records, got {count}")
+    if cfg.prepare.inputs is not None:
+        raise PrepareError("--preview takes a single prepare.input_uri; preview each of prepare.inputs on its own")
     store = store or Store.from_config(cfg.storage)
     tokenizer = load_tokenizer(store, cfg.tokenizer_uri)
     chat = load_chat_format(cfg, store, tokenizer)
