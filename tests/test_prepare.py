@@ -28,7 +28,7 @@ SEQ_LEN = 64
 # (1-based line, raw line) for the bad lines spliced into a JSONL file.
 BAD_LINES = [(3, '{"text": "unterminated'), (6, '{"body": "no text field"}'), (9, '{"text": "   "}')]
 SHARD_SCHEMA = pa.schema([("row_id", pa.int64()), ("input_ids", pa.list_(pa.int32())),
-                          ("labels", pa.list_(pa.int32()))])
+                          ("labels", pa.list_(pa.int32())), ("position_ids", pa.list_(pa.int32()))])
 EXPECTED_SKIPS = [
     {"source": "part-1.jsonl", "line": 3, "reason": "bad JSON"},
     {"source": "part-1.jsonl", "line": 6, "reason": "missing field 'text'"},
