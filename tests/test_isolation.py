@@ -130,3 +130,25 @@ def test_a_batch_mixing_packed_and_single_document_rows_keeps_each_row_right(mod
     torch.testing.assert_close(both[1], model(input_ids=plain, use_cache=False).logits[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(both[0], model(input_ids=ids, position_ids=positions, use_cache=False).logits[0],
                                rtol=1e-5, atol=1e-5)
+
+
+def test_isolation_is_on_by_default_off_on_request_and_off_with_a_note_for_old_datasets(caplog):
+    from app.config import build_config
+    from app.data.stream import document_isolation
+
+    def cfg(**data):
+        return build_config({"name": "t", "model": {"uri": "s3://b/m"}, "data": {"uri": "s3://b/d", **data},
+                             "training": {"max_steps": 1}, "storage": {"root_uri": "s3://b/runs"}})
+
+    new, old = {"position_ids": True}, {}
+    assert cfg().data.cross_document_attention is False
+    with caplog.at_level("WARNING", logger="app.data.stream"):
+        assert document_isolation(cfg(), new) is True
+        assert document_isolation(cfg(cross_document_attention=True), new) is False
+        assert document_isolation(cfg(cross_document_attention=True), old) is False
+        assert not caplog.records
+        assert document_isolation(cfg(), old, note=False) is False
+        assert not caplog.records
+        assert document_isolation(cfg(), old) is False
+    (record,) = caplog.records
+    assert "s3://b/d was prepared without position_ids" in record.getMessage()

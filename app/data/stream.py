@@ -137,6 +137,20 @@ def _stack(column) -> np.ndarray:
     return np.stack([np.asarray(x) for x in column])
 
 
+def document_isolation(cfg, manifest: dict, note: bool = True) -> bool:
+    """Whether training passes position_ids, keeping attention inside each packed document. A
+    dataset prepared before shards carried them trains as before, across documents, with a note."""
+    if cfg.data.cross_document_attention:
+        return False
+    if manifest.get("position_ids"):
+        return True
+    if note:
+        log.warning("note: %s was prepared without position_ids, so packed documents attend across their "
+                    "boundaries; prepare it again to keep them apart (data.cross_document_attention: true "
+                    "silences this note)", cfg.data.uri)
+    return False
+
+
 def read_columns(position_ids: bool) -> list[str]:
     return ["row_id", "input_ids", "labels"] + (["position_ids"] if position_ids else [])
 

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from app.config import JobConfig
 from app.data.packing import IGNORE_INDEX as IGNORE
 from app.data.prepare import load_manifest, shard_uris
-from app.data.stream import (DataOrder, RankSlice, iter_rank_rows, iter_step_batches, load_split_rows,
-                             micro_batches_per_step, prefetch_in_background)
+from app.data.stream import (DataOrder, RankSlice, document_isolation, iter_rank_rows, iter_step_batches,
+                             load_split_rows, micro_batches_per_step, prefetch_in_background)
 from app.storage import Store
 from app.train import checkpoint as ckpt
 from app.train.metrics import Heartbeat, MetricsLog, StepTimer, format_progress, peak_memory
@@ -80,20 +80,6 @@ def loss_sum(model, input_ids: torch.Tensor, labels: torch.Tensor, autocast_dtyp
 
 def as_positions(positions: Optional[np.ndarray], device) -> Optional[torch.Tensor]:
     return None if positions is None else torch.as_tensor(positions, dtype=torch.long, device=device)
-
-
-def document_isolation(cfg: JobConfig, manifest: dict, rank: int) -> bool:
-    """Whether to pass position_ids (attention kept inside each document). A dataset prepared
-    before the shards carried them trains as before, across documents, with a note."""
-    if cfg.data.cross_document_attention:
-        return False
-    if manifest.get("position_ids"):
-        return True
-    if rank == 0:
-        log.warning("note: %s was prepared without position_ids, so packed documents attend across their "
-                    "boundaries; prepare it again to keep them apart (data.cross_document_attention: true "
-                    "silences this)", cfg.data.uri)
-    return False
 
 
 def label_tokens(labels: np.ndarray) -> int:
@@ -169,7 +155,7 @@ def train_loop_per_worker(config: dict) -> None:
                          f"{world} workers x micro_batch_size {t.micro_batch_size}")
 
     manifest = load_manifest(store, cfg.data.uri)
-    isolate = document_isolation(cfg, manifest, rank)
+    isolate = document_isolation(cfg, manifest, note=rank == 0)
     order = DataOrder.from_manifest(manifest, t.seed)
     steps_total = total_steps(cfg, order.num_rows)
     data_fs, _ = store.resolve(cfg.data.uri)
