@@ -41,6 +41,10 @@ class DataConfig(_Strict):
     seq_len: int = Field(2048, gt=1)
     # Documents held out for validation at prepare time (by a hash of their source position).
     validation_fraction: float = Field(0.0, ge=0, lt=1)
+    # false: attention stays inside each packed document (the shards' position_ids restart at every
+    # document start and transformers builds a block-causal mask from them). true: every token of a
+    # row attends to everything before it, across documents (no position_ids passed).
+    cross_document_attention: bool = False
 
 
 class InputSource(_Strict):

@@ -45,8 +45,9 @@ def stream_probe(data_uri: str, seed: int, rank: int, world: int, global_batch: 
     shards = [store.resolve(u)[1] for u in shard_uris(data_uri, manifest, "train")]
     my_slice = RankSlice(rank, world, global_batch)
     accum = micro_batches_per_step(global_batch, world, micro_batch)
-    batches = iter_step_batches(iter_rank_rows(order, shards, fs, my_slice, start=0), my_slice.rows_per_step,
-                                micro_batch, accum)
+    # As training reads them by default: with position_ids where the dataset has them.
+    rows = iter_rank_rows(order, shards, fs, my_slice, start=0, position_ids=bool(manifest.get("position_ids")))
+    batches = iter_step_batches(rows, my_slice.rows_per_step, micro_batch, accum)
     stamps = []
     for _ in range(steps):
         next(batches)

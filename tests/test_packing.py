@@ -186,14 +186,14 @@ def doc(*tokens):
 
 
 def test_packing_puts_eos_between_documents_and_pads_last_row():
-    ids, labels = pack_examples([doc(10, 11), doc(12)], seq_len=4, pad_id=PAD)
+    ids, labels, _ = pack_examples([doc(10, 11), doc(12)], seq_len=4, pad_id=PAD)
     assert ids.tolist() == [[BOS, 10, 11, EOS], [BOS, 12, EOS, PAD]]
     assert labels.tolist() == [[BOS, 10, 11, EOS], [BOS, 12, EOS, IGNORE_INDEX]]
 
 
 def test_long_document_is_split_across_rows_not_dropped():
     long_doc = doc(*range(10, 23))  # 15 tokens with bos/eos
-    ids, labels = pack_examples([doc(5), long_doc, doc(6)], seq_len=4, pad_id=PAD)
+    ids, labels, _ = pack_examples([doc(5), long_doc, doc(6)], seq_len=4, pad_id=PAD)
     flat = ids.ravel().tolist()
     assert ids.shape == (6, 4)
     assert flat[:21] == [BOS, 5, EOS, *long_doc[0].tolist(), BOS, 6, EOS]
@@ -202,7 +202,7 @@ def test_long_document_is_split_across_rows_not_dropped():
 
 
 def test_exact_fit_has_no_padding_row():
-    ids, labels = pack_examples([doc(10, 11), doc(12, 13)], seq_len=4, pad_id=PAD)
+    ids, labels, _ = pack_examples([doc(10, 11), doc(12, 13)], seq_len=4, pad_id=PAD)
     assert ids.shape == (2, 4)
     assert PAD not in ids.ravel().tolist()
     assert IGNORE_INDEX not in labels.ravel().tolist()
@@ -210,7 +210,7 @@ def test_exact_fit_has_no_padding_row():
 
 def test_instruction_masks_survive_packing():
     example = build_example([20, 21], eos_id=EOS, bos_id=BOS, prompt_ids=[30, 31])
-    ids, labels = pack_examples([example, example], seq_len=5, pad_id=PAD)
+    ids, labels, _ = pack_examples([example, example], seq_len=5, pad_id=PAD)
     assert labels.ravel().tolist()[:6] == [IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX, 20, 21, EOS]
     assert labels.ravel().tolist()[-3:] == [IGNORE_INDEX] * 3
     assert ids.ravel().tolist()[-3:] == [PAD] * 3
@@ -219,18 +219,21 @@ def test_instruction_masks_survive_packing():
 def test_packer_streams_the_same_rows_as_one_shot():
     rng = np.random.default_rng(0)
     examples = [doc(*rng.integers(3, 500, size=rng.integers(1, 40)).tolist()) for _ in range(200)]
-    expected_ids, expected_labels = pack_examples(examples, seq_len=16, pad_id=PAD)
-    packer, got_ids, got_labels = Packer(16, PAD), [], []
+    expected_ids, expected_labels, expected_positions = pack_examples(examples, seq_len=16, pad_id=PAD)
+    packer, got_ids, got_labels, got_positions = Packer(16, PAD), [], [], []
     for start in range(0, len(examples), 7):  # several documents per add, as the driver does
         chunk = examples[start:start + 7]
-        packer.add(np.concatenate([e[0] for e in chunk]), np.concatenate([e[1] for e in chunk]))
+        packer.add(np.concatenate([e[0] for e in chunk]), np.concatenate([e[1] for e in chunk]),
+                   [len(e[0]) for e in chunk])
         rows = packer.pop_rows()
         got_ids.append(rows[0])
         got_labels.append(rows[1])
+        got_positions.append(rows.position_ids)
         assert packer.pending_tokens < 16
     final = packer.finish()
     np.testing.assert_array_equal(np.concatenate([*got_ids, final[0]]), expected_ids)
     np.testing.assert_array_equal(np.concatenate([*got_labels, final[1]]), expected_labels)
+    np.testing.assert_array_equal(np.concatenate([*got_positions, final.position_ids]), expected_positions)
     assert packer.pending_tokens == 0
     assert sum(len(e[0]) for e in examples) <= expected_ids.size < sum(len(e[0]) for e in examples) + 16
 
@@ -238,10 +241,39 @@ def test_packer_streams_the_same_rows_as_one_shot():
 def test_packer_rejects_mismatched_lengths():
     with pytest.raises(ValueError, match="differ in length"):
         Packer(4, PAD).add(np.array([1, 2]), np.array([1]))
+    with pytest.raises(ValueError, match="sum to 3"):
+        Packer(4, PAD).add(np.array([1, 2]), np.array([1, 2]), [1, 2])
+
+
+def test_position_ids_restart_at_documents_rows_and_padding():
+    """0, 1, ... from every document start; a document continued into the next row counts from 0
+    there; the padding is a segment of its own. A length-1 document is a segment too."""
+    ids, _, positions = pack_examples([doc(10, 11), doc(*range(20, 27)), build_example([], eos_id=EOS),
+                                       doc(30)], seq_len=6, pad_id=PAD)
+    assert ids.tolist() == [[BOS, 10, 11, EOS, BOS, 20], [21, 22, 23, 24, 25, 26],
+                            [EOS, EOS, BOS, 30, EOS, PAD]]
+    assert positions.tolist() == [[0, 1, 2, 3, 0, 1], [0, 1, 2, 3, 4, 5], [0, 0, 0, 1, 2, 0]]
+    assert positions.dtype == np.int32
+
+
+def test_position_ids_mark_every_document_start_for_transformers():
+    """transformers' packed-sequence detection (a step other than +1 starts a segment) finds exactly
+    the documents (and the padding), row by row."""
+    import torch
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    rng = np.random.default_rng(1)
+    examples = [doc(*rng.integers(3, 500, size=rng.integers(0, 12)).tolist()) for _ in range(40)]
+    ids, _, positions = pack_examples(examples, seq_len=16, pad_id=PAD)
+    segments = find_packed_sequence_indices(torch.as_tensor(positions, dtype=torch.long)).numpy()
+    # Every document starts with BOS here (pad only at the end): a segment starts exactly there.
+    starts = (ids == BOS) | ((ids == PAD) & (np.roll(ids, 1, axis=1) != PAD))
+    starts[:, 0] = True
+    np.testing.assert_array_equal(segments, np.cumsum(starts, axis=1) - 1)
 
 
 def test_nothing_in_gives_no_rows():
-    ids, labels = pack_examples([], seq_len=8, pad_id=PAD)
+    ids, labels, _ = pack_examples([], seq_len=8, pad_id=PAD)
     assert ids.shape == labels.shape == (0, 8)
 
 

@@ -28,7 +28,7 @@ SEQ_LEN = 64
 # (1-based line, raw line) for the bad lines spliced into a JSONL file.
 BAD_LINES = [(3, '{"text": "unterminated'), (6, '{"body": "no text field"}'), (9, '{"text": "   "}')]
 SHARD_SCHEMA = pa.schema([("row_id", pa.int64()), ("input_ids", pa.list_(pa.int32())),
-                          ("labels", pa.list_(pa.int32()))])
+                          ("labels", pa.list_(pa.int32())), ("position_ids", pa.list_(pa.int32()))])
 EXPECTED_SKIPS = [
     {"source": "part-1.jsonl", "line": 3, "reason": "bad JSON"},
     {"source": "part-1.jsonl", "line": 6, "reason": "missing field 'text'"},
@@ -183,6 +183,25 @@ def test_rows_decode_back_to_the_corpus(tokenizer, prepared, text_docs):
     assert Counter(decoded["train"] + decoded["validation"]) == Counter(corpus)
     expected_tokens = sum(len(tokenizer(d, add_special_tokens=False)["input_ids"]) + 2 for d in corpus)
     assert manifest["splits"]["train"]["tokens"] + manifest["splits"]["validation"]["tokens"] == expected_tokens
+
+
+def test_shards_carry_position_ids_restarting_at_each_document(tokenizer, prepared):
+    """Read back: position_ids count from 0 at every document's bos, at every row start (a document
+    continued from the row before) and at the padding, and +1 everywhere else."""
+    _, manifest, shards = prepared
+    assert manifest["position_ids"] is True
+    for split in ("train", "validation"):
+        table = pa.concat_tables(shards[split])
+        ids = np.asarray(table["input_ids"].to_pylist())
+        positions = np.asarray(table["position_ids"].to_pylist())
+        flat_starts = (ids == tokenizer.bos_token_id).ravel()
+        flat_starts[manifest["splits"][split]["tokens"]] = True  # the padding (the last row has some)
+        starts = flat_starts.reshape(ids.shape)
+        starts[:, 0] = True
+        assert (positions[starts] == 0).all()
+        assert (positions[:, 1:][~starts[:, 1:]] == positions[:, :-1][~starts[:, 1:]] + 1).all()
+        # Both cases occur: documents starting inside rows, and rows opening on a continued document.
+        assert starts[:, 1:].any() and (ids[:, 0] != tokenizer.bos_token_id).any()
 
 
 def shard_layout(split: dict) -> list[tuple[int, int]]:

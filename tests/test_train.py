@@ -93,6 +93,78 @@ def test_lora_fsdp_run_learns_and_records_itself(straight_run, dataset):
     assert summary["latest_checkpoint"] == ckpts[-1]
 
 
+def step_one_reference(manifest: dict, data_uri: str, row_ids: list[int], positions: bool) -> float:
+    """Single process, no Ray: step 1's loss on its rows, per label token, from the base model (the
+    LoRA B matrices start at zero, so the adapted model equals it at step 1), micro-batches of 2."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch
+
+    from app.data.manifest import shard_uris
+    from app.train.loop import label_tokens, loss_sum
+    from app.train.model import load_pretrained
+
+    store = Store()
+    table = pa.concat_tables([pq.read_table(store.resolve(u)[1], filesystem=store.resolve(u)[0])
+                              for u in shard_uris(data_uri, manifest, "train")])
+    where = {rid: i for i, rid in enumerate(table["row_id"].to_pylist())}
+    take = pa.array([where[r] for r in row_ids])
+    ids, labels, pos = (np.asarray(table[c].take(take).to_pylist()) for c in ("input_ids", "labels", "position_ids"))
+    model = load_pretrained(store.cache_locally(BASE), torch.float32)
+    total = 0.0
+    with torch.no_grad():
+        for i in range(0, len(row_ids), 2):
+            p = torch.as_tensor(pos[i:i + 2]) if positions else None
+            total += float(loss_sum(model, torch.as_tensor(ids[i:i + 2]), torch.as_tensor(labels[i:i + 2]), None, p))
+    return total / label_tokens(labels)
+
+
+def test_fsdp_run_keeps_packed_documents_apart(straight_run, dataset):
+    """The default run (2 FSDP2 workers) passes position_ids: its step-1 loss is the single-process
+    loss of the same rows with attention kept inside documents, not the one across them."""
+    cfg, _, metrics = straight_run
+    assert cfg.data.cross_document_attention is False and dataset["position_ids"] is True
+    rows = metrics[0]["row_ids"]
+    isolated = step_one_reference(dataset, DATA, rows, positions=True)
+    crossing = step_one_reference(dataset, DATA, rows, positions=False)
+    assert abs(isolated - crossing) > 1e-3
+    assert metrics[0]["loss"] == pytest.approx(isolated, rel=1e-5)
+    group = [e for e in load_events(Store(), cfg.run_uri) if e["kind"] == "worker_group_start"][0]
+    assert group["document_isolation"] is True
+
+
+def test_a_dataset_prepared_without_position_ids_trains_across_documents(straight_run, dataset, caplog):
+    """An old dataset (no position_ids column, no manifest key): training runs, as before, with
+    cross-document attention and a note; step 1 equals the single-process loss without isolation."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from app.data.manifest import manifest_uri, shard_uris
+
+    store, old_uri = Store(), "s3://eft/data/train-tests-old"
+    old = {k: v for k, v in dataset.items() if k != "position_ids"}
+    for uri in shard_uris(DATA, dataset, "train") + shard_uris(DATA, dataset, "validation"):
+        fs, path = store.resolve(uri)
+        buf = pa.BufferOutputStream()
+        pq.write_table(pq.read_table(path, filesystem=fs).drop_columns(["position_ids"]), buf)
+        store.write_bytes(uri.replace(DATA, old_uri, 1), buf.getvalue().to_pybytes())
+    store.write_json(manifest_uri(old_uri), old)
+    cfg = make_cfg("old-dataset", data={"uri": old_uri}, training={"max_steps": 2, "eval_every_steps": None},
+                   checkpoint={"save_every_steps": 2})
+    with caplog.at_level("WARNING", logger="app.data.stream"):
+        summary = run_training(cfg)
+    assert any("prepared without position_ids" in r.getMessage() for r in caplog.records)
+    assert summary["status"] == "succeeded" and summary["steps"] == 2
+    metrics, reference = load_metrics(store, cfg.run_uri), straight_run[2]
+    assert metrics[0]["row_ids"] == reference[0]["row_ids"]
+    crossing = step_one_reference(dataset, DATA, metrics[0]["row_ids"], positions=False)
+    assert metrics[0]["loss"] == pytest.approx(crossing, rel=1e-5)
+    assert abs(metrics[0]["loss"] - reference[0]["loss"]) > 1e-3
+    group = [e for e in load_events(store, cfg.run_uri) if e["kind"] == "worker_group_start"][0]
+    assert group["document_isolation"] is False
+
+
 def test_metrics_break_down_each_step_and_report_no_mfu_on_cpu(straight_run):
     import math
 

@@ -8,13 +8,20 @@ The packer concatenates documents in order and cuts `seq_len` rows; a document l
 a row continues in the next one (never dropped), and the final partial row is padded with
 pad ids labelled IGNORE_INDEX. Everything works on flat int32 arrays plus per-document
 lengths, so a whole batch of documents is handled with a few vectorised numpy calls.
+
+Each row also gets `position_ids`: 0, 1, 2, ... restarting at every document start, at the
+start of every row (a document continued from the previous row counts again from 0 there: its
+earlier tokens are not in this row's context anyway) and at the first padding token (padding
+is a segment of its own). A position that does not follow its left neighbour by exactly 1 is a
+document start, which is what transformers' packed-sequence detection looks for
+(`masking_utils.find_packed_sequence_indices`) to keep attention inside each document.
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -123,6 +130,21 @@ def tokenize_document(tokenizer, doc: Document) -> tuple[np.ndarray, np.ndarray]
 
 # -- packing --------------------------------------------------------------------------
 
+class Rows(NamedTuple):
+    """Packed rows, each [n, seq_len] int32."""
+    input_ids: np.ndarray
+    labels: np.ndarray
+    position_ids: np.ndarray
+
+
+def row_positions(starts: np.ndarray) -> np.ndarray:
+    """[n, T] document-start flags → position_ids counting from 0 at each start and at each row start."""
+    n, seq_len = starts.shape
+    index = np.broadcast_to(np.arange(seq_len, dtype=np.int64), (n, seq_len))
+    last_start = np.maximum.accumulate(np.where(starts, index, 0), axis=1)
+    return (index - last_start).astype(TOKEN_DTYPE)
+
+
 class Packer:
     """Concatenate token streams in order and cut them into `seq_len` rows."""
 
@@ -133,59 +155,71 @@ class Packer:
         self.pad_id = pad_id
         self._ids: list[np.ndarray] = []
         self._labels: list[np.ndarray] = []
+        self._starts: list[np.ndarray] = []  # True where a document begins
         self._pending = 0
 
     @property
     def pending_tokens(self) -> int:
         return self._pending
 
-    def add(self, input_ids: np.ndarray, labels: np.ndarray) -> None:
-        """Append one document, or several documents' flat tokens back to back."""
+    def add(self, input_ids: np.ndarray, labels: np.ndarray, lengths: Optional[np.ndarray] = None) -> None:
+        """Append documents' flat tokens back to back: one document, or several of `lengths`."""
         if len(input_ids) != len(labels):
             raise ValueError(f"input_ids ({len(input_ids)}) and labels ({len(labels)}) differ in length")
+        if lengths is None:
+            lengths = np.array([len(input_ids)], dtype=np.int64)
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if int(lengths.sum()) != len(input_ids):
+            raise ValueError(f"document lengths sum to {int(lengths.sum())}, not {len(input_ids)} tokens")
         if len(input_ids):
+            starts = np.zeros(len(input_ids), dtype=bool)
+            starts[(np.cumsum(lengths) - lengths)[lengths > 0]] = True
             self._ids.append(np.asarray(input_ids, dtype=TOKEN_DTYPE))
             self._labels.append(np.asarray(labels, dtype=TOKEN_DTYPE))
+            self._starts.append(starts)
             self._pending += len(input_ids)
 
-    def pop_rows(self) -> tuple[np.ndarray, np.ndarray]:
+    def pop_rows(self) -> Rows:
         """Every complete row so far, as [n, seq_len] arrays; the remainder stays pending."""
         n_rows = self._pending // self.seq_len
         if not n_rows:
             return self._empty_rows()
-        ids, labels = np.concatenate(self._ids), np.concatenate(self._labels)
+        ids, labels, starts = np.concatenate(self._ids), np.concatenate(self._labels), np.concatenate(self._starts)
         cut = n_rows * self.seq_len
-        self._ids, self._labels = [ids[cut:]], [labels[cut:]]
+        self._ids, self._labels, self._starts = [ids[cut:]], [labels[cut:]], [starts[cut:]]
         self._pending -= cut
-        return ids[:cut].reshape(n_rows, self.seq_len), labels[:cut].reshape(n_rows, self.seq_len)
+        shape = (n_rows, self.seq_len)
+        return Rows(ids[:cut].reshape(shape), labels[:cut].reshape(shape), row_positions(starts[:cut].reshape(shape)))
 
-    def finish(self) -> tuple[np.ndarray, np.ndarray]:
-        """The remaining rows, the last one padded (pad id, IGNORE_INDEX label)."""
-        full_ids, full_labels = self.pop_rows()
+    def finish(self) -> Rows:
+        """The remaining rows, the last one padded (pad id, IGNORE_INDEX label, positions from 0)."""
+        full = self.pop_rows()
         if not self._pending:
-            return full_ids, full_labels
+            return full
         pad = self.seq_len - self._pending
+        pad_starts = np.zeros(pad, dtype=bool)
+        pad_starts[0] = True
         last_ids = np.concatenate([*self._ids, np.full(pad, self.pad_id, TOKEN_DTYPE)])
         last_labels = np.concatenate([*self._labels, np.full(pad, IGNORE_INDEX, TOKEN_DTYPE)])
-        self._ids, self._labels, self._pending = [], [], 0
-        return (np.concatenate([full_ids, last_ids[None]]), np.concatenate([full_labels, last_labels[None]]))
+        last_starts = np.concatenate([*self._starts, pad_starts])
+        self._ids, self._labels, self._starts, self._pending = [], [], [], 0
+        return Rows(np.concatenate([full.input_ids, last_ids[None]]),
+                    np.concatenate([full.labels, last_labels[None]]),
+                    np.concatenate([full.position_ids, row_positions(last_starts[None])]))
 
-    def _empty_rows(self) -> tuple[np.ndarray, np.ndarray]:
+    def _empty_rows(self) -> Rows:
         empty = np.zeros((0, self.seq_len), dtype=TOKEN_DTYPE)
-        return empty, empty.copy()
+        return Rows(empty, empty.copy(), empty.copy())
 
 
-def pack_examples(examples: Iterable[tuple[np.ndarray, np.ndarray]], seq_len: int,
-                  pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """All (input_ids, labels) examples, in order → [n_rows, seq_len] input_ids and labels."""
+def pack_examples(examples: Iterable[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: int) -> Rows:
+    """All (input_ids, labels) examples (one document each), in order → [n_rows, seq_len]
+    input_ids, labels and position_ids."""
     packer = Packer(seq_len, pad_id)
-    parts_ids, parts_labels = [], []
     for ids, labels in examples:
         packer.add(ids, labels)
-    for ids, labels in (packer.pop_rows(), packer.finish()):
-        parts_ids.append(ids)
-        parts_labels.append(labels)
-    return np.concatenate(parts_ids), np.concatenate(parts_labels)
+    parts = (packer.pop_rows(), packer.finish())
+    return Rows(*(np.concatenate([p[k] for p in parts]) for k in range(3)))
 
 
 # -- validation split -----------------------------------------------------------------

@@ -92,6 +92,9 @@ TOKENIZED_SCHEMA = pa.schema([
 OVERLONG_OUTCOMES = ("split", "truncated", "dropped")
 SHARD_SCHEMA = pa.schema([
     ("row_id", pa.int64()), ("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32())),
+    # 0, 1, ... from every document start (and row start, and the padding): see app/data/packing.py.
+    # Datasets prepared before it have no such column and no manifest["position_ids"].
+    ("position_ids", pa.list_(pa.int32())),
 ])
 
 
@@ -565,13 +568,14 @@ class BadRecords:
                                f"{self.input_uri}; first: {first}")
 
 
-def build_shard_table(ids: np.ndarray, labels: np.ndarray, row_id_start: int) -> pa.Table:
+def build_shard_table(ids: np.ndarray, labels: np.ndarray, positions: np.ndarray, row_id_start: int) -> pa.Table:
     n_rows, seq_len = ids.shape
     lengths = np.full(n_rows, seq_len, dtype=np.int64)
     return pa.table({
         "row_id": pa.array(np.arange(row_id_start, row_id_start + n_rows, dtype=np.int64)),
         "input_ids": build_list_array(ids.ravel(), lengths),
         "labels": build_list_array(labels.ravel(), lengths),
+        "position_ids": build_list_array(positions.ravel(), lengths),
     }, schema=SHARD_SCHEMA)
 
 
@@ -590,12 +594,14 @@ class ShardWriter:
         self.rows = 0
         self._ids: list[np.ndarray] = []
         self._labels: list[np.ndarray] = []
+        self._positions: list[np.ndarray] = []
         self._buffered = 0
 
-    def add(self, ids: np.ndarray, labels: np.ndarray) -> None:
+    def add(self, ids: np.ndarray, labels: np.ndarray, positions: np.ndarray) -> None:
         if len(ids):
             self._ids.append(ids)
             self._labels.append(labels)
+            self._positions.append(positions)
             self._buffered += len(ids)
         while self._buffered >= self.rows_per_shard:
             self._write(self.rows_per_shard)
@@ -605,15 +611,16 @@ class ShardWriter:
             self._write(self._buffered)
 
     def _write(self, n_rows: int) -> None:
-        ids, labels = np.concatenate(self._ids), np.concatenate(self._labels)
-        self._ids, self._labels = [ids[n_rows:]], [labels[n_rows:]]
+        ids, labels, positions = (np.concatenate(self._ids), np.concatenate(self._labels),
+                                  np.concatenate(self._positions))
+        self._ids, self._labels, self._positions = [ids[n_rows:]], [labels[n_rows:]], [positions[n_rows:]]
         self._buffered -= n_rows
         rel = f"{self.shard_dir}/{self.split}-{len(self.shards):05d}.parquet"
         path = f"{self.data_path}/{rel}"
         if isinstance(self.fs, pafs.LocalFileSystem):
             Path(path).parent.mkdir(parents=True, exist_ok=True)
         with self.fs.open_output_stream(path) as out:
-            pq.write_table(build_shard_table(ids[:n_rows], labels[:n_rows], self.rows), out)
+            pq.write_table(build_shard_table(ids[:n_rows], labels[:n_rows], positions[:n_rows], self.rows), out)
         self.shards.append({"path": rel, "rows": n_rows, "row_id_start": self.rows})
         self.rows += n_rows
 
@@ -627,8 +634,8 @@ class SplitBuilder:
         self.tokens = 0
         self.label_tokens = 0
 
-    def add(self, ids: np.ndarray, labels: np.ndarray) -> None:
-        self.packer.add(ids, labels)
+    def add(self, ids: np.ndarray, labels: np.ndarray, lengths: np.ndarray) -> None:
+        self.packer.add(ids, labels, lengths)
         self.tokens += len(ids)
         self.label_tokens += int(np.count_nonzero(labels != IGNORE_INDEX))
         self.writer.add(*self.packer.pop_rows())
@@ -692,7 +699,7 @@ class DocumentConsumer:
         ids, labels, lengths = flatten_tokens(batch)
         for name, doc_mask in (("train", ok & ~is_val), ("validation", ok & is_val)):
             token_mask = np.repeat(doc_mask, lengths)
-            self.splits[name].add(ids[token_mask], labels[token_mask])
+            self.splits[name].add(ids[token_mask], labels[token_mask], lengths[doc_mask])
 
     def record_bad(self, reasons: pa.ChunkedArray, names: list[str], codes: np.ndarray,
                    lines: np.ndarray, ok: np.ndarray) -> None:
@@ -755,6 +762,8 @@ def build_manifest(cfg: JobConfig, tokenizer: dict, inputs: Optional[InputFiles]
     return {
         "format_version": FORMAT_VERSION,
         "seq_len": cfg.data.seq_len,
+        # Shards carry a position_ids column (document starts); older datasets lack this key.
+        "position_ids": True,
         "created_at": dt.datetime.now(dt.timezone.utc).isoformat(),
         "tokenizer": tokenizer,
         "source": source,

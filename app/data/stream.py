@@ -137,9 +137,29 @@ def _stack(column) -> np.ndarray:
     return np.stack([np.asarray(x) for x in column])
 
 
+def document_isolation(cfg, manifest: dict, note: bool = True) -> bool:
+    """Whether training passes position_ids, keeping attention inside each packed document. A
+    dataset prepared before shards carried them trains as before, across documents, with a note."""
+    if cfg.data.cross_document_attention:
+        return False
+    if manifest.get("position_ids"):
+        return True
+    if note:
+        log.warning("note: %s was prepared without position_ids, so packed documents attend across their "
+                    "boundaries; prepare it again to keep them apart (data.cross_document_attention: true "
+                    "silences this note)", cfg.data.uri)
+    return False
+
+
+def read_columns(position_ids: bool) -> list[str]:
+    return ["row_id", "input_ids", "labels"] + (["position_ids"] if position_ids else [])
+
+
 def iter_rank_rows(order: DataOrder, shard_uris: list[str], filesystem, rank_slice: RankSlice,
-                   start: int, prefetch_batches: int = 2) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
-    """Yield (row_id, input_ids, labels) for this worker, from global position `start` on, forever."""
+                   start: int, prefetch_batches: int = 2, position_ids: bool = False,
+                   ) -> Iterator[tuple[int, np.ndarray, np.ndarray, Optional[np.ndarray]]]:
+    """Yield (row_id, input_ids, labels, position_ids or None) for this worker, from global position
+    `start` on, forever. `position_ids`: read that column (the shards must have it)."""
     import ray
 
     configure_data_context()
@@ -156,17 +176,18 @@ def iter_rank_rows(order: DataOrder, shard_uris: list[str], filesystem, rank_sli
         paths = [shard_uris[s] for s in shard_seq[first:]]
         # Few, light read tasks per worker: every worker runs its own pipeline, and a burst of
         # task processes costs more than it gains on the CPUs the trainer leaves free.
-        ds = ray.data.read_parquet(paths, filesystem=filesystem, columns=["row_id", "input_ids", "labels"],
+        ds = ray.data.read_parquet(paths, filesystem=filesystem, columns=read_columns(position_ids),
                                    num_cpus=READ_CPUS, concurrency=READ_CONCURRENCY)
         ds = ds.map_batches(_KeepRankRows(order, epoch, rank_slice, start), batch_format="numpy",
                             batch_size=None, num_cpus=READ_CPUS,
                             compute=ray.data.TaskPoolStrategy(size=READ_CONCURRENCY))
-        buffered: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        buffered: dict[int, tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]] = {}
         nxt = 0
         for batch in ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=prefetch_batches):
             ids, inputs, labels = batch["row_id"], _stack(batch["input_ids"]), _stack(batch["labels"])
+            positions = _stack(batch["position_ids"]) if position_ids else None
             for i, rid in enumerate(ids.tolist()):
-                buffered[rid] = (inputs[i], labels[i])
+                buffered[rid] = (inputs[i], labels[i], None if positions is None else positions[i])
             while nxt < len(expected) and int(expected[nxt]) in buffered:
                 rid = int(expected[nxt])
                 yield (rid, *buffered.pop(rid))
@@ -182,18 +203,22 @@ def micro_batches_per_step(global_batch: int, world_size: int, micro_batch: int)
     return math.ceil(math.ceil(global_batch / world_size) / micro_batch)
 
 
-def iter_step_batches(rows: Iterator[tuple[int, np.ndarray, np.ndarray]], rows_per_step: int,
-                      micro_batch: int, accum: int) -> Iterator[list[tuple[np.ndarray, np.ndarray, np.ndarray]]]:
+def iter_step_batches(rows: Iterator[tuple], rows_per_step: int, micro_batch: int, accum: int,
+                      ) -> Iterator[list[tuple[np.ndarray, np.ndarray, np.ndarray, Optional[np.ndarray]]]]:
     """One optimizer step's micro-batches at a time: `accum` × (row_ids, input_ids [B, T],
-    labels [B, T]). Slots past this rank's `rows_per_step` rows are padding: row_id -1 and no
-    labels, so they add nothing to the loss or the gradient."""
+    labels [B, T], position_ids [B, T] or None). Slots past this rank's `rows_per_step` rows are
+    padding: row_id -1 and no labels, so they add nothing to the loss or the gradient."""
     slots = accum * micro_batch
     while True:
         chunk = [next(rows) for _ in range(rows_per_step)]
-        ids = np.array([c[0] for c in chunk] + [-1] * (slots - rows_per_step), dtype=np.int64)
-        inputs = np.stack([c[1] for c in chunk] + [chunk[0][1]] * (slots - rows_per_step))
-        labels = np.stack([c[2] for c in chunk] + [np.full_like(chunk[0][2], IGNORE)] * (slots - rows_per_step))
-        yield [(ids[i:i + micro_batch], inputs[i:i + micro_batch], labels[i:i + micro_batch])
+        extra = slots - rows_per_step
+        ids = np.array([c[0] for c in chunk] + [-1] * extra, dtype=np.int64)
+        inputs = np.stack([c[1] for c in chunk] + [chunk[0][1]] * extra)
+        labels = np.stack([c[2] for c in chunk] + [np.full_like(chunk[0][2], IGNORE)] * extra)
+        has_positions = len(chunk[0]) > 3 and chunk[0][3] is not None
+        positions = np.stack([c[3] for c in chunk] + [chunk[0][3]] * extra) if has_positions else None
+        yield [(ids[i:i + micro_batch], inputs[i:i + micro_batch], labels[i:i + micro_batch],
+                None if positions is None else positions[i:i + micro_batch])
                for i in range(0, slots, micro_batch)]
 
 
@@ -240,15 +265,16 @@ def configure_data_context() -> None:
     ctx.use_datasource_v2 = False
 
 
-def load_split_rows(shard_uris: list[str], filesystem, limit: Optional[int] = None) -> dict[str, np.ndarray]:
-    """A small split (validation) read whole, in row_id order."""
+def load_split_rows(shard_uris: list[str], filesystem, limit: Optional[int] = None,
+                    position_ids: bool = False) -> dict[str, np.ndarray]:
+    """A small split (validation) read whole, in row_id order (with position_ids if asked)."""
     import ray
 
     configure_data_context()
+    columns = read_columns(position_ids)
     if not shard_uris:
-        return {"row_id": np.zeros(0, np.int64), "input_ids": np.zeros((0, 0), np.int32),
-                "labels": np.zeros((0, 0), np.int32)}
-    ds = ray.data.read_parquet(shard_uris, filesystem=filesystem, columns=["row_id", "input_ids", "labels"],
+        return {"row_id": np.zeros(0, np.int64), **{c: np.zeros((0, 0), np.int32) for c in columns[1:]}}
+    ds = ray.data.read_parquet(shard_uris, filesystem=filesystem, columns=columns,
                                num_cpus=READ_CPUS, concurrency=READ_CONCURRENCY)
     if limit is not None:
         ds = ds.limit(limit)
@@ -256,5 +282,4 @@ def load_split_rows(shard_uris: list[str], filesystem, limit: Optional[int] = No
     row_id = np.concatenate([p["row_id"] for p in parts])
     order = np.argsort(row_id, kind="stable")
     return {"row_id": row_id[order],
-            "input_ids": np.concatenate([_stack(p["input_ids"]) for p in parts])[order],
-            "labels": np.concatenate([_stack(p["labels"]) for p in parts])[order]}
+            **{c: np.concatenate([_stack(p[c]) for p in parts])[order] for c in columns[1:]}}

@@ -13,6 +13,7 @@ import time
 from app.cluster import init_ray
 from app.config import JobConfig, dump_config
 from app.data.manifest import load_manifest
+from app.data.stream import document_isolation
 from app.storage import Store, join
 from app.summary import build_summary, write_summary
 from app.train import checkpoint as ckpt
@@ -33,6 +34,7 @@ def preflight(cfg: JobConfig, store: Store) -> dict:
     if manifest["seq_len"] != cfg.data.seq_len:
         raise ValueError(f"data.seq_len {cfg.data.seq_len} != seq_len {manifest['seq_len']} of the dataset "
                          f"at {cfg.data.uri}")
+    document_isolation(cfg, manifest)  # the note on an old dataset, here as well as on rank 0
     train_rows = manifest["splits"]["train"]["rows"]
     if train_rows < cfg.training.global_batch_size:
         raise ValueError(f"training.global_batch_size {cfg.training.global_batch_size} exceeds the "

@@ -21,10 +21,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from app.config import JobConfig
-from app.data.packing import IGNORE_INDEX as IGNORE
 from app.data.manifest import load_manifest, shard_uris
-from app.data.stream import (DataOrder, RankSlice, iter_rank_rows, iter_step_batches, load_split_rows,
-                             micro_batches_per_step, prefetch_in_background)
+from app.data.packing import IGNORE_INDEX as IGNORE
+from app.data.stream import (DataOrder, RankSlice, document_isolation, iter_rank_rows, iter_step_batches,
+                             load_split_rows, micro_batches_per_step, prefetch_in_background)
 from app.storage import Store
 from app.train import checkpoint as ckpt
 from app.train.metrics import Heartbeat, MetricsLog, StepTimer, format_progress, peak_memory
@@ -64,12 +64,22 @@ def setup_worker_logging(rank: int) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def loss_sum(model, input_ids: torch.Tensor, labels: torch.Tensor, autocast_dtype) -> torch.Tensor:
-    """Summed next-token cross-entropy over labelled positions (normalized by the caller)."""
+def loss_sum(model, input_ids: torch.Tensor, labels: torch.Tensor, autocast_dtype,
+             position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Summed next-token cross-entropy over labelled positions (normalized by the caller).
+
+    With `position_ids` (restarting at 0 at each packed document's start) and neither an attention
+    mask nor a KV cache, transformers detects the packed documents and builds a block-causal mask
+    (masking_utils.find_packed_sequence_indices): no token attends across a document boundary."""
+    kwargs = {} if position_ids is None else {"position_ids": position_ids}
     with torch.autocast(input_ids.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-        logits = model(input_ids=input_ids, use_cache=False).logits
+        logits = model(input_ids=input_ids, use_cache=False, **kwargs).logits
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
                            ignore_index=IGNORE, reduction="sum")
+
+
+def as_positions(positions: Optional[np.ndarray], device) -> Optional[torch.Tensor]:
+    return None if positions is None else torch.as_tensor(positions, dtype=torch.long, device=device)
 
 
 def label_tokens(labels: np.ndarray) -> int:
@@ -107,15 +117,19 @@ def evaluate(model, val: dict, rank: int, world: int, micro_batch: int, device, 
     per_rank = math.ceil(per_rank / micro_batch) * micro_batch
     idx = np.arange(rank, n, world)
     inputs, labels = val["input_ids"][idx], val["labels"][idx]
+    positions = val["position_ids"][idx] if "position_ids" in val else None
     pad = per_rank - len(idx)
     if pad:
         inputs = np.concatenate([inputs, np.repeat(val["input_ids"][:1], pad, 0)])
         labels = np.concatenate([labels, np.full((pad, labels.shape[1]), IGNORE, labels.dtype)])
+        if positions is not None:
+            positions = np.concatenate([positions, np.repeat(val["position_ids"][:1], pad, 0)])
     total = torch.zeros(2, dtype=torch.float64, device=device)
     for i in range(0, per_rank, micro_batch):
         x = torch.as_tensor(inputs[i:i + micro_batch], dtype=torch.long, device=device)
         y = torch.as_tensor(labels[i:i + micro_batch], dtype=torch.long, device=device)
-        total[0] += loss_sum(model, x, y, autocast_dtype).double()
+        p = as_positions(None if positions is None else positions[i:i + micro_batch], device)
+        total[0] += loss_sum(model, x, y, autocast_dtype, p).double()
         total[1] += float(label_tokens(labels[i:i + micro_batch]))
     all_reduce_sum(total)
     model.train()
@@ -141,6 +155,7 @@ def train_loop_per_worker(config: dict) -> None:
                          f"{world} workers x micro_batch_size {t.micro_batch_size}")
 
     manifest = load_manifest(store, cfg.data.uri)
+    isolate = document_isolation(cfg, manifest, note=rank == 0)
     order = DataOrder.from_manifest(manifest, t.seed)
     steps_total = total_steps(cfg, order.num_rows)
     data_fs, _ = store.resolve(cfg.data.uri)
@@ -151,7 +166,7 @@ def train_loop_per_worker(config: dict) -> None:
     checkpoint = ckpt.select_resume_checkpoint(ray.train.get_checkpoint(), store, cfg.run_uri, rank)
     start_rows = int(ckpt.peek_train_state(checkpoint).get("rows_consumed", 0))
     my_slice = RankSlice(rank, world, t.global_batch_size, origin=start_rows)
-    rows = iter_rank_rows(order, train_shards, data_fs, my_slice, start=start_rows)
+    rows = iter_rank_rows(order, train_shards, data_fs, my_slice, start=start_rows, position_ids=isolate)
     batches = prefetch_in_background(iter_step_batches(rows, my_slice.rows_per_step, t.micro_batch_size, accum),
                                      depth=2)
 
@@ -165,7 +180,8 @@ def train_loop_per_worker(config: dict) -> None:
     val = {"row_id": []}
     if t.eval_every_steps and manifest["splits"].get("validation", {}).get("rows"):
         val_shards = [store.resolve(u)[1] for u in shard_uris(cfg.data.uri, manifest, "validation")]
-        val = load_split_rows(val_shards, data_fs, limit=t.eval_max_batches * t.global_batch_size)
+        val = load_split_rows(val_shards, data_fs, limit=t.eval_max_batches * t.global_batch_size,
+                              position_ids=isolate)
 
     # --- resume ------------------------------------------------------------------
     state = ckpt.restore(checkpoint, model, optimizer, lora=cfg.lora is not None)
@@ -187,7 +203,8 @@ def train_loop_per_worker(config: dict) -> None:
                  f" + {padding_rows} padding rows" if padding_rows else "", n_trainable / 1e6, n_total / 1e6,
                  "resuming" if step else "starting", step, steps_total)
         attempt = ckpt.record_event(store, cfg.run_uri, "worker_group_start", world_size=world,
-                                    resumed_from_step=step if state.restored else None, padding_rows=padding_rows)
+                                    resumed_from_step=step if state.restored else None, padding_rows=padding_rows,
+                                    document_isolation=isolate)
     heartbeat = Heartbeat(store, cfg.run_uri, attempt or "", enabled=rank == 0, world_size=world,
                           resumed_from_step=step)
     notices_seen: set = set()
@@ -217,11 +234,11 @@ def train_loop_per_worker(config: dict) -> None:
                                                         dtype=torch.float64, device=device))
             tokens_acc += global_tokens
             scale = world / global_tokens.clamp(min=1)
-            for i, (_, inputs, labels) in enumerate(micro):
+            for i, (_, inputs, labels, positions) in enumerate(micro):
                 x = torch.as_tensor(inputs, dtype=torch.long, device=device)
                 y = torch.as_tensor(labels, dtype=torch.long, device=device)
                 with grad_sync_context(model, enabled=i == accum - 1):
-                    loss = loss_sum(model, x, y, autocast_dtype)
+                    loss = loss_sum(model, x, y, autocast_dtype, as_positions(positions, device))
                     (loss * scale).backward()
                 loss_acc += loss.detach().double()
         with timer.phase("optimizer"):
