@@ -165,7 +165,7 @@ def export_tokenizer(cfg: JobConfig, store: Store):
     otherwise the tokenizer's own, as it is."""
     from transformers import AutoTokenizer
 
-    from app.data.prepare import PrepareError, is_chat_format, read_chat_template
+    from app.data.engines import PrepareError, is_chat_format, read_chat_template
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(store.cache_locally(cfg.tokenizer_uri))

@@ -133,7 +133,8 @@ def prepare(cfg, store) -> dict:
     """`eft prepare` in-process; the ray engine gets a Ray cluster started (and stopped) around it."""
     import ray
 
-    from app.data.prepare import choose_engine, list_input_files, prepare_dataset
+    from app.data.engines import choose_engine, list_input_files
+    from app.data.prepare import prepare_dataset
 
     started_here = False
     inputs = list_input_files(store, cfg.prepare.input_uri, cfg.prepare.input_format)

@@ -18,13 +18,14 @@ import pytest
 
 from app.config import ConfigError, build_config, dump_config
 from app.data.chat import ChatFormat
-from app.data.formats import Skip
-from app.data.packing import IGNORE_INDEX
-from app.data.manifest import load_manifest, shard_uris
-from app.data.prepare import (
-    PrepareError, TokenizeDocuments, TokenizerSpec, build_document_table, encode_chat_texts,
-    encode_chat_with_backend, export_backend, load_backend, prepare_dataset,
+from app.data.engines import (
+    PrepareError, TokenizeDocuments, TokenizerSpec, build_document_table, encode_chat_texts, encode_chat_with_backend,
+    export_backend, load_backend
 )
+from app.data.formats import Skip
+from app.data.manifest import load_manifest, shard_uris
+from app.data.packing import IGNORE_INDEX
+from app.data.prepare import prepare_dataset
 from app.storage import Store
 from app.tiny import build_corpus, build_tiny_tokenizer
 

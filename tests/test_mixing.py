@@ -11,9 +11,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from app.config import ConfigError, build_config
+from app.data.engines import PrepareError
 from app.data.manifest import shard_uris
 from app.data.packing import IGNORE_INDEX
-from app.data.prepare import PrepareError, prepare_dataset
+from app.data.prepare import prepare_dataset
 from app.storage import Store
 from app.tiny import build_corpus, save_tiny_base
 

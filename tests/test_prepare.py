@@ -14,12 +14,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from app.config import JobConfig, build_config
-from app.data.packing import IGNORE_INDEX, encode_texts
-from app.data.manifest import DatasetError, load_manifest, shard_uris
-from app.data.prepare import (
-    BATCHES_PER_BLOCK, DOCUMENT_SCHEMA, InputFiles, PrepareError, TokenizeDocuments, TokenizerSpec,
-    cgroup_cpu_limit, choose_engine, encode_with_backend, export_backend, load_backend, load_tokenizer, prepare_dataset,
+from app.data.engines import (
+    BATCHES_PER_BLOCK, DOCUMENT_SCHEMA, InputFiles, PrepareError, TokenizeDocuments, TokenizerSpec, cgroup_cpu_limit,
+    choose_engine, encode_with_backend, export_backend, load_backend, load_tokenizer
 )
+from app.data.manifest import DatasetError, load_manifest, shard_uris
+from app.data.packing import IGNORE_INDEX, encode_texts
+from app.data.prepare import prepare_dataset
 from app.storage import Store
 from app.tiny import build_corpus, save_tiny_base
 

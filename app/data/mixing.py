@@ -29,6 +29,11 @@ import pyarrow.compute as pc
 
 from app.config import InputSource, JobConfig
 from app.data.chat import ChatFormat
+from app.data.engines import (
+    BATCHES_PER_BLOCK, InputFiles, PrepareError, iter_local_documents, iter_local_tokenized, list_input_files,
+    load_chat_format, relative_source,
+)
+from app.data.prepare import encode_sources, number_parquet_rows
 from app.storage import Store, join
 
 
@@ -36,7 +41,7 @@ class Source(NamedTuple):
     index: int
     spec: InputSource
     cfg: JobConfig  # the job as if `spec` were its single input_uri
-    inputs: "InputFiles"  # noqa: F821
+    inputs: InputFiles
     chat: Optional[ChatFormat]
     is_file: bool  # spec.uri names one file, not a prefix
 
@@ -72,8 +77,6 @@ def select(n: int, k: int, replacement: bool, rng: np.random.Generator) -> np.nd
 
 def fingerprint_files(inputs) -> str:
     """sha256 over the listed files' relative names, sizes and modification times."""
-    from app.data.prepare import relative_source
-
     digest = hashlib.sha256()
     for info in inputs.fs.get_file_info(inputs.paths):
         mtime = info.mtime_ns if info.mtime_ns is not None else -1
@@ -83,9 +86,6 @@ def fingerprint_files(inputs) -> str:
 
 class Mixture:
     def __init__(self, cfg: JobConfig, store: Store, tokenizer):
-        from app.data.prepare import (BATCHES_PER_BLOCK, PrepareError, iter_local_documents, list_input_files,
-                                      load_chat_format)
-
         p = cfg.prepare
         self.cfg, self.sources = cfg, []
         for i, spec in enumerate(p.inputs):
@@ -126,8 +126,6 @@ class Mixture:
     def source_rows(self, src: Source, tokenizer) -> Iterator[tuple[pa.Table, np.ndarray]]:
         """A source's tokenized rows, renamed and numbered, each document repeated by its multiplicity
         (skipped records kept once, in place) → (table, ok mask)."""
-        from app.data.prepare import encode_sources, iter_local_tokenized, number_parquet_rows
-
         mult, start = self.multiplicity[src.index], 0
         counters: Counter = Counter()
         parquet = src.cfg.prepare.input_format == "parquet"
@@ -205,8 +203,6 @@ class Mixture:
     # -- the manifest ---------------------------------------------------------------------
 
     def manifest_source(self) -> dict:
-        from app.data.prepare import relative_source
-
         p = self.cfg.prepare
         return {
             "inputs": [{
