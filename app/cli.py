@@ -45,13 +45,12 @@ def cmd_local(args) -> int:
         state = local.up(state_dir, num_cpus=args.num_cpus, auth_token_path=args.auth_token_path)
         env = local.local_env(state)
         if not args.no_seed:
-            from app.config import load_config
-            from app.demo import DEFAULT_CONFIG, ensure_inputs
+            from app.demo import cache_dir_for, seed_local_stack
             from app.storage import Store
 
             os.environ.update(env)
-            cfg = load_config(DEFAULT_CONFIG)
-            ensure_inputs(cfg, Store.from_config(cfg.storage))
+            # The chat base is pre-trained once per bucket; the copy in the state dir serves the next stack.
+            seed_local_stack(Store(), cache_dir=cache_dir_for(state_dir))
         print(f"# local stack up: S3 {state['s3_endpoint']} (bucket {state['bucket']}), Ray {state['ray_address']}")
         print("# use it in this shell with:  eval \"$(eft local env)\"")
         print_env(env)

@@ -1,8 +1,12 @@
 """`eft demo` / `make demo`: the whole pipeline on the embedded local stack.
 
-Real corpus (Python's own documentation topics) → BPE tokenizer + tiny random-init Llama
-saved to S3 in HF format → prepare → LoRA + FSDP2 fine-tune on 2 CPU workers with periodic
-checkpoints → export (adapter + merged) → generate a sample → summary.
+Default job (jobs/configs/tiny-chat.yaml): a tiny Llama pre-trained on Python's own documentation
+(once per bucket, cached on disk) → conversations about Python answered from the same docs →
+chat prepare (one record previewed as training sees it) → LoRA + FSDP2 fine-tune on 2 CPU workers
+with periodic checkpoints → export (adapter + merged, chat template included) → the same question
+asked of the base and of the exported model through its own chat template → summary.
+
+`--config jobs/configs/tiny-cpu.yaml`: the text job on a random-init base, ending in a text sample.
 """
 
 from __future__ import annotations
@@ -18,22 +22,75 @@ from app.config import load_config
 from app.storage import Store, join
 
 log = logging.getLogger("eft.demo")
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "jobs" / "configs" / "tiny-cpu.yaml"
+CONFIGS = Path(__file__).resolve().parents[1] / "jobs" / "configs"
+DEFAULT_CONFIG = CONFIGS / "tiny-chat.yaml"
+TEXT_CONFIG = CONFIGS / "tiny-cpu.yaml"
+QUESTION = 'What is the "assert" statement?'
+CHAT_FORMATS = ("chat", "sharegpt")
 
 
-def ensure_inputs(cfg, store: Store) -> None:
-    """The raw corpus and the base model the config points at, built here if absent."""
-    from app.tiny import build_corpus, save_tiny_base, write_jsonl
+def ensure_inputs(cfg, store: Store, cache_dir: Optional[Path] = None) -> Optional[dict]:
+    """The raw corpus and the base model the config points at, built here if absent. A chat job
+    (prepare.format chat) gets conversations and the pre-trained chat base (built once per bucket;
+    once per `cache_dir` when given); a text job the documents and a random-init base. Returns the
+    pre-train's report for a chat job."""
+    from app.tiny import build_chat_corpus, build_corpus, save_pretrained_base, save_tiny_base, write_jsonl
 
     texts = build_corpus()
+    chat = cfg.prepare.format == "chat"
     if not store.exists(cfg.prepare.input_uri):
+        records = build_chat_corpus() if chat else [{"text": t} for t in texts]
         with tempfile.TemporaryDirectory() as tmp:
-            path = write_jsonl(({"text": t} for t in texts), Path(tmp) / "corpus.jsonl")
+            path = write_jsonl(records, Path(tmp) / "corpus.jsonl")
             store.write_bytes(cfg.prepare.input_uri, path.read_bytes())
-        log.info("wrote %d documents to %s", len(texts), cfg.prepare.input_uri)
+        log.info("wrote %d %s to %s", len(records), "conversations" if chat else "documents", cfg.prepare.input_uri)
+    if chat:
+        report = save_pretrained_base(store, cfg.model.uri, texts=texts, cache_dir=cache_dir, log=log.info)
+        log.info("pre-trained chat base at %s (%s): held-out loss %.2f → %.2f in %.0f s", cfg.model.uri,
+                 report["source"], report["held_out_loss_before"], report["held_out_loss_after"], report["seconds"])
+        return report
     if not store.exists(join(cfg.model.uri, "config.json")):
         save_tiny_base(store, cfg.model.uri, texts=texts, max_positions=max(512, cfg.data.seq_len))
         log.info("saved a tiny random-init Llama + BPE tokenizer to %s", cfg.model.uri)
+    return None
+
+
+def cache_dir_for(state_dir: Path) -> Path:
+    """Where pre-trained bases are kept between stacks: $EFT_CACHE_DIR, else <state-dir>/cache."""
+    return Path(os.environ.get("EFT_CACHE_DIR") or Path(state_dir).absolute() / "cache")
+
+
+def seed_local_stack(store: Store, cache_dir: Optional[Path] = None) -> None:
+    """What `eft local up` seeds: the inputs of the demo's chat job and of the text job."""
+    for path in (DEFAULT_CONFIG, TEXT_CONFIG):
+        ensure_inputs(load_config(path), store, cache_dir=cache_dir)
+
+
+def chat_reply(model_uri: str, store: Store, question: str = QUESTION, max_new_tokens: int = 200) -> str:
+    """Ask the model at `model_uri` one question through its own chat template; the reply as
+    generated, special tokens shown (a fine-tuned reply ends with the end-of-turn token)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    local_dir = store.cache_locally(model_uri)
+    tokenizer = AutoTokenizer.from_pretrained(local_dir)
+    model = AutoModelForCausalLM.from_pretrained(local_dir)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=True)
+    torch.manual_seed(0)
+    out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=True, top_k=10,
+                         pad_token_id=tokenizer.pad_token_id)
+    return tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=False)
+
+
+def preview_one(cfg, store: Store) -> None:
+    """`eft prepare --preview 1`: the first record as prepare tokenizes it (trained tokens in bold)."""
+    from rich.console import Console
+
+    from app.data.preview import preview_records, render_preview
+
+    tokenizer, records = preview_records(cfg, 1, store)
+    render_preview(Console(highlight=False), tokenizer, records, cfg)
 
 
 def generate_sample(merged_uri: str, store: Store, prompt: str = "The import statement") -> str:
@@ -70,16 +127,28 @@ def run_demo(config_path: Optional[str] = None, state_dir: Path = Path(".eft"), 
         log.info("local stack up: S3 %s, Ray %s", state["s3_endpoint"], state["ray_address"])
     try:
         store = Store.from_config(cfg.storage)
-        ensure_inputs(cfg, store)
+        chat = cfg.prepare.format in CHAT_FORMATS
+        pretrained = ensure_inputs(cfg, store, cache_dir=cache_dir_for(state_dir))
+        if chat:
+            preview_one(cfg, store)
         if read_committed_manifest(store, cfg.data.uri) is None:
             manifest = prepare_dataset(cfg, store)
             log.info("prepared %d train rows", manifest["splits"]["train"]["rows"])
+        before = chat_reply(cfg.model.uri, store) if chat else None
         summary = run_training(cfg, store)
         exported = export_run(cfg, merge=True, store=store)
-        sample = generate_sample(exported["merged_uri"], store)
         render_summary(summary)
         print(f"exported: {exported['adapter_uri']} (adapter), {exported['merged_uri']} (merged)")
-        print(f"sample:   {sample!r}")
+        if pretrained:
+            print(f"base:     pre-trained {pretrained['steps']} steps in {pretrained['seconds']:.0f} s "
+                  f"({pretrained['source']}): held-out loss {pretrained['held_out_loss_before']:.2f} → "
+                  f"{pretrained['held_out_loss_after']:.2f} (uniform {pretrained['uniform_loss']:.2f})")
+        if chat:
+            print(f"question: {QUESTION!r}")
+            print(f"base:     {before!r}")
+            print(f"answer:   {chat_reply(exported['merged_uri'], store)!r}")
+        else:
+            print(f"sample:   {generate_sample(exported['merged_uri'], store)!r}")
         first, final = summary["first_train_loss"], summary["final_train_loss"]
         print(f"train loss {first:.4f} → {final:.4f} over {summary['steps']} steps")
         return 0 if final < first else 1

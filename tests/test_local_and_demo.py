@@ -13,10 +13,13 @@ import time
 import uuid
 from pathlib import Path
 
+from typing import Optional
+
 import boto3
+import pytest
 
 from app.config import load_config
-from app.demo import DEFAULT_CONFIG, ensure_inputs
+from app.demo import TEXT_CONFIG, ensure_inputs
 from app.storage import Store, join
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,11 +30,19 @@ def eft(*args, env=None, timeout=240, cwd=ROOT):
     return subprocess.run([EFT, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
 
 
-def fresh_shell(home: Path) -> dict:
+@pytest.fixture(scope="session")
+def base_cache(tmp_path_factory) -> Path:
+    """One disk cache of the pre-trained chat base for every fresh shell of this session: the
+    first stack that seeds it pre-trains (about a minute), the others upload the cached copy."""
+    return tmp_path_factory.mktemp("eft-cache")
+
+
+def fresh_shell(home: Path, cache: Optional[Path] = None) -> dict:
     """This process's environment as a new user's shell has it: no AWS or Ray settings (the
     test session's own S3 endpoint and Ray token live there), and an empty home."""
     home.mkdir(parents=True, exist_ok=True)
-    return {**{k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "RAY_"))}, "HOME": str(home)}
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "RAY_", "EFT_"))}, "HOME": str(home)}
+    return {**env, "EFT_CACHE_DIR": str(cache)} if cache else env
 
 
 def exports_of(stdout: str) -> dict:
@@ -52,11 +63,11 @@ def wait_dead(*pids: int, timeout_s: float = 30) -> None:
         time.sleep(0.5)
 
 
-def test_local_up_on_a_fresh_home_requires_its_token_and_down_stops_only_its_own(tmp_path):
+def test_local_up_on_a_fresh_home_requires_its_token_and_down_stops_only_its_own(tmp_path, base_cache):
     home, state_dir = tmp_path / "home", tmp_path / "state"
-    shell = fresh_shell(home)
+    shell = fresh_shell(home, base_cache)
     bystander = subprocess.Popen(["sleep", "300"], start_new_session=True)
-    up = eft("local", "up", "--state-dir", str(state_dir), "--num-cpus", "3", env=shell)
+    up = eft("local", "up", "--state-dir", str(state_dir), "--num-cpus", "3", env=shell, timeout=600)
     assert up.returncode == 0, up.stderr
     exports = exports_of(up.stdout)
     state = json.loads((state_dir / "local.json").read_text())
@@ -69,7 +80,8 @@ def test_local_up_on_a_fresh_home_requires_its_token_and_down_stops_only_its_own
                           aws_access_key_id=exports["AWS_ACCESS_KEY_ID"],
                           aws_secret_access_key=exports["AWS_SECRET_ACCESS_KEY"])
         keys = {o["Key"] for o in s3.list_objects_v2(Bucket="eft")["Contents"]}
-        assert {"models/tiny-llama/config.json", "raw/pydoc.jsonl"} <= keys
+        assert {"models/tiny-llama/config.json", "raw/pydoc.jsonl", "models/tiny-llama-chat/config.json",
+                "models/tiny-llama-chat/pretrain.json", "raw/pydoc-chat.jsonl"} <= keys
         user = {**shell, **exports}
         probe = subprocess.run([sys.executable, "-c", "import ray; ray.init(); print(ray.cluster_resources()['CPU'])"],
                                capture_output=True, text=True, env=user, timeout=120)
@@ -125,16 +137,28 @@ def test_local_up_uses_the_token_it_is_given(tmp_path):
     assert not (tmp_path / "state2" / "local.json").exists()
 
 
-def test_make_demo_runs_end_to_end_on_a_fresh_home(tmp_path):
+def test_make_demo_runs_end_to_end_on_a_fresh_home(tmp_path, base_cache):
     """What `make demo` runs (`.venv/bin/eft demo`), from a shell with nothing set up: the demo
-    starts its own stack in ./.eft, trains, exports, generates, and stops the stack."""
+    starts its own stack in ./.eft, seeds the pre-trained chat base, previews one conversation,
+    fine-tunes, exports, asks the exported model a question through its chat template, and stops
+    the stack."""
     home = tmp_path / "home"
-    demo = eft("demo", "--max-steps", "12", env=fresh_shell(home), cwd=tmp_path, timeout=600)
+    demo = eft("demo", "--max-steps", "12", env=fresh_shell(home, base_cache), cwd=tmp_path, timeout=900)
     assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:]
     out = demo.stdout
-    assert re.search(r"^exported: (s3://eft/runs/tiny-cpu/export/checkpoint-00000012)/adapter \(adapter\), "
+    assert re.search(r"^exported: (s3://eft/runs/tiny-chat/export/checkpoint-00000012)/adapter \(adapter\), "
                      r"\1/merged \(merged\)$", out, re.MULTILINE), out[-3000:]
-    assert "sample:" in out and "over 12 steps" in out
+    # The base writes words: its held-out loss is far below a uniform guess over the vocabulary.
+    before, after, uniform = map(float, re.search(
+        r"^base: +pre-trained 300 steps in \d+ s \((?:trained|disk cache|bucket)\): held-out loss (\S+) → (\S+) "
+        r"\(uniform (\S+)\)$", out, re.MULTILINE).groups())
+    assert abs(before - uniform) < 0.1 and after < uniform - 2.0, out[-3000:]
+    # One conversation previewed as training sees it: the ChatML rendering of the first record.
+    assert "<|im_start|>user\nWhat is the \"assert\" statement?<|im_end|>" in out
+    assert "1 record(s): 1 used" in out
+    assert re.search(r"^question: 'What is the \"assert\" statement\?'$", out, re.MULTILINE)
+    answer = re.search(r"^answer: +(.+)$", out, re.MULTILINE).group(1)
+    assert len(answer) > 10, answer
     first, final = map(float, re.search(r"^train loss (\S+) → (\S+) over 12 steps$", out, re.MULTILINE).groups())
     assert final < first
     assert not (home / ".ray").exists()
@@ -152,7 +176,7 @@ def test_cli_config_prepare_train_and_export(s3, ray_cluster, tmp_path):
     sets = ["--set", f"name=cli-{run_id}", "--set", f"data.uri=s3://eft/data/cli-{run_id}",
             "--set", "training.max_steps=2", "--set", "checkpoint.save_every_steps=2",
             "--set", "training.eval_every_steps=2"]
-    ensure_inputs(load_config(DEFAULT_CONFIG), Store())
+    ensure_inputs(load_config(TEXT_CONFIG), Store())
     env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
 
     shown = eft("config", cfg_path, *sets, env=env)
