@@ -50,7 +50,7 @@ def cmd_local(args) -> int:
 
             os.environ.update(env)
             # The chat base is pre-trained once per bucket; the copy in the state dir serves the next stack.
-            seed_local_stack(Store(), cache_dir=cache_dir_for(state_dir))
+            seed_local_stack(Store(), cache_dir=Path(args.cache_dir) if args.cache_dir else cache_dir_for(state_dir))
         print(f"# local stack up: S3 {state['s3_endpoint']} (bucket {state['bucket']}), Ray {state['ray_address']}")
         print("# use it in this shell with:  eval \"$(eft local env)\"")
         print_env(env)
@@ -193,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-cpus", type=int, default=None, help="logical CPUs for the Ray head")
     p.add_argument("--auth-token-path", default=None, metavar="FILE",
                    help="the Ray token the head requires (default: a new one, <state-dir>/auth_token, mode 0600)")
+    p.add_argument("--cache-dir", default=None, metavar="DIR",
+                   help="where the pre-trained tiny chat base is kept between stacks (default: <state-dir>/cache)")
     p.add_argument("--no-seed", action="store_true",
                    help="do not seed the tiny demo model and corpus into the local bucket")
     p.set_defaults(fn=cmd_local)

@@ -56,8 +56,8 @@ def ensure_inputs(cfg, store: Store, cache_dir: Optional[Path] = None) -> Option
 
 
 def cache_dir_for(state_dir: Path) -> Path:
-    """Where pre-trained bases are kept between stacks: $EFT_CACHE_DIR, else <state-dir>/cache."""
-    return Path(os.environ.get("EFT_CACHE_DIR") or Path(state_dir).absolute() / "cache")
+    """Where pre-trained bases are kept between stacks of one state dir."""
+    return Path(state_dir).absolute() / "cache"
 
 
 def seed_local_stack(store: Store, cache_dir: Optional[Path] = None) -> None:

@@ -39,6 +39,13 @@ def ray_cluster(s3):
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def base_cache(tmp_path_factory) -> Path:
+    """One disk cache of the demo's pre-trained chat base for the stacks this session starts with
+    `eft local up --cache-dir`: the first one pre-trains (about a minute), the others reuse it."""
+    return tmp_path_factory.mktemp("eft-cache")
+
+
 def build_tiny_dataset(cfg, work_dir: Path, max_docs: int = 300) -> dict:
     """A tiny base at cfg.model.uri, the pydoc corpus at cfg.prepare.input_uri, prepared into
     cfg.data.uri (needs the `s3` and `ray_cluster` fixtures). Returns the manifest."""

@@ -13,10 +13,7 @@ import time
 import uuid
 from pathlib import Path
 
-from typing import Optional
-
 import boto3
-import pytest
 
 from app.config import load_config
 from app.demo import TEXT_CONFIG, ensure_inputs
@@ -30,19 +27,11 @@ def eft(*args, env=None, timeout=240, cwd=ROOT):
     return subprocess.run([EFT, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
 
 
-@pytest.fixture(scope="session")
-def base_cache(tmp_path_factory) -> Path:
-    """One disk cache of the pre-trained chat base for every fresh shell of this session: the
-    first stack that seeds it pre-trains (about a minute), the others upload the cached copy."""
-    return tmp_path_factory.mktemp("eft-cache")
-
-
-def fresh_shell(home: Path, cache: Optional[Path] = None) -> dict:
+def fresh_shell(home: Path) -> dict:
     """This process's environment as a new user's shell has it: no AWS or Ray settings (the
     test session's own S3 endpoint and Ray token live there), and an empty home."""
     home.mkdir(parents=True, exist_ok=True)
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "RAY_", "EFT_"))}, "HOME": str(home)}
-    return {**env, "EFT_CACHE_DIR": str(cache)} if cache else env
+    return {**{k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "RAY_"))}, "HOME": str(home)}
 
 
 def exports_of(stdout: str) -> dict:
@@ -65,9 +54,10 @@ def wait_dead(*pids: int, timeout_s: float = 30) -> None:
 
 def test_local_up_on_a_fresh_home_requires_its_token_and_down_stops_only_its_own(tmp_path, base_cache):
     home, state_dir = tmp_path / "home", tmp_path / "state"
-    shell = fresh_shell(home, base_cache)
+    shell = fresh_shell(home)
     bystander = subprocess.Popen(["sleep", "300"], start_new_session=True)
-    up = eft("local", "up", "--state-dir", str(state_dir), "--num-cpus", "3", env=shell, timeout=600)
+    up = eft("local", "up", "--state-dir", str(state_dir), "--num-cpus", "3", "--cache-dir", str(base_cache),
+             env=shell, timeout=600)
     assert up.returncode == 0, up.stderr
     exports = exports_of(up.stdout)
     state = json.loads((state_dir / "local.json").read_text())
@@ -137,13 +127,13 @@ def test_local_up_uses_the_token_it_is_given(tmp_path):
     assert not (tmp_path / "state2" / "local.json").exists()
 
 
-def test_make_demo_runs_end_to_end_on_a_fresh_home(tmp_path, base_cache):
+def test_make_demo_runs_end_to_end_on_a_fresh_home(tmp_path):
     """What `make demo` runs (`.venv/bin/eft demo`), from a shell with nothing set up: the demo
     starts its own stack in ./.eft, seeds the pre-trained chat base, previews one conversation,
     fine-tunes, exports, asks the exported model a question through its chat template, and stops
     the stack."""
     home = tmp_path / "home"
-    demo = eft("demo", "--max-steps", "12", env=fresh_shell(home, base_cache), cwd=tmp_path, timeout=900)
+    demo = eft("demo", "--max-steps", "12", env=fresh_shell(home), cwd=tmp_path, timeout=900)
     assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:]
     out = demo.stdout
     assert re.search(r"^exported: (s3://eft/runs/tiny-chat/export/checkpoint-00000012)/adapter \(adapter\), "

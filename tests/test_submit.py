@@ -42,12 +42,13 @@ def job_status(env, submission_id: str) -> str:
     return out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-2000:]
 
 
-def test_ray_job_submit_trains_and_reports_errors(tmp_path):
+def test_ray_job_submit_trains_and_reports_errors(tmp_path, base_cache):
     # A new user's shell: no AWS or Ray settings (the session's token among them), an empty home.
     (tmp_path / "home").mkdir()
     clean = {**{k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "RAY_"))},
              "HOME": str(tmp_path / "home")}
-    up = run([sys.executable, "-m", "app.cli", "local", "up", "--state-dir", str(tmp_path / "stack")], clean)
+    up = run([sys.executable, "-m", "app.cli", "local", "up", "--state-dir", str(tmp_path / "stack"),
+              "--cache-dir", str(base_cache)], clean)
     assert up.returncode == 0, up.stderr[-2000:]
     env = {**clean, **dict(line[len("export "):].split("=", 1) for line in up.stdout.splitlines()
                            if line.startswith("export "))}
