@@ -18,8 +18,10 @@ from app.storage import Store, join
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "finetune.ipynb"
 CONFIG = ROOT / "jobs" / "configs" / "tiny-cpu.yaml"
+CHAT_CONFIG = ROOT / "jobs" / "configs" / "tiny-chat.yaml"
 STEPS = 6
 RANKS = [2, 4]
+CHAT_STEPS = 4
 
 
 def tagged(nb, tag: str):
@@ -29,6 +31,12 @@ def tagged(nb, tag: str):
 
 def text_of(cell) -> str:
     return "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
+
+
+def shown_text(cell) -> str:
+    """Streams plus the text/plain of displays: rich prints to a Jupyter kernel as a display."""
+    return text_of(cell) + "".join(o.get("data", {}).get("text/plain", "") for o in cell.outputs
+                                   if o.output_type in ("display_data", "execute_result"))
 
 
 def has_png(cell) -> bool:
@@ -44,9 +52,10 @@ def test_committed_notebook_is_valid_and_has_no_outputs():
 
 
 @pytest.fixture(scope="module")
-def executed(s3, ray_cluster):
+def executed(s3, ray_cluster, base_cache):
     """The notebook run once: two LoRA ranks of STEPS steps, the first watched live. The kernel
-    joins this session's cluster the way a user's kernel joins `eft local up`'s."""
+    joins this session's cluster the way a user's kernel joins `eft local up`'s. The chat section
+    trains CHAT_STEPS steps on the pre-trained chat base, kept in this session's `base_cache`."""
     from nbclient import NotebookClient
 
     prefix = f"nbtest-{uuid.uuid4().hex[:6]}"
@@ -59,6 +68,8 @@ def executed(s3, ray_cluster):
         "SAVE_EVERY_STEPS = 3",
         f"LORA_RANKS = {RANKS!r}",
         f"RUN_PREFIX = {prefix!r}",
+        f"CHAT_STEPS = {CHAT_STEPS}",
+        f"BASE_CACHE_DIR = {str(base_cache)!r}",
     ]), metadata={"tags": ["injected-parameters"]})
     nb.cells.insert(nb.cells.index(tagged(nb, "parameters")) + 1, injected)
     # The kernel gets the S3 endpoint and credentials the `s3` fixture put in os.environ.
@@ -102,3 +113,26 @@ def test_notebook_exports_the_adapter_and_generates(executed):
     assert store.exists(join(printed.group(1), "adapter_model.safetensors"))
     sample = re.search(r"^sample: (.+)$", text_of(tagged(nb, "generate")), re.MULTILINE)
     assert sample and ast.literal_eval(sample.group(1)).strip()
+
+
+def test_notebook_previews_trains_exports_and_chats(executed):
+    nb, prefix = executed
+    store = Store()
+    summary = store.read_json(join(load_config(CHAT_CONFIG, [f"name={prefix}-chat"]).run_uri, "summary.json"))
+    assert summary["status"] == "succeeded" and summary["steps"] == CHAT_STEPS
+    # The preview is the ChatML rendering of one conversation, as prepare tokenizes it.
+    assert "<|im_start|>user" in shown_text(tagged(nb, "chat-preview"))
+    answer_cell = text_of(tagged(nb, "chat-answer"))
+    merged = re.search(r"^merged: (\S+)$", answer_cell, re.MULTILINE)
+    assert merged and f"{prefix}-chat/export/" in merged.group(1)
+    prompt = re.search(r"^prompt: (.+)$", answer_cell, re.MULTILINE)
+    question = re.search(r"^question: (.+)$", answer_cell, re.MULTILINE)
+    answer = re.search(r"^answer: (.+)$", answer_cell, re.MULTILINE)
+    assert prompt and question and answer, answer_cell
+    question = ast.literal_eval(question.group(1))
+    # The exported tokenizer's chat template renders the question as a user turn, then opens the
+    # assistant's turn (the generation prompt).
+    rendered = ast.literal_eval(prompt.group(1))
+    assert question and f"<|im_start|>user\n{question}" in rendered, rendered
+    assert rendered.rstrip().endswith("<|im_start|>assistant"), rendered
+    assert ast.literal_eval(answer.group(1)).replace("<|im_end|>", "").strip(), answer_cell
