@@ -43,8 +43,8 @@ def short(value: Any, limit: int = 24) -> str:
 
 # -- records → messages ------------------------------------------------------------------
 
-def read_messages(record: Any, field: str) -> Union[list[dict], Skip]:
-    """An OpenAI-style `messages` list → validated messages (other keys, e.g. tool_calls, pass through)."""
+def read_turns(record: Any, field: str) -> Union[list[dict], Skip]:
+    """The record's `field`: a list of objects (one per turn), or why it is not."""
     if not isinstance(record, dict):
         return Skip("not an object")
     raw = record.get(field)
@@ -52,10 +52,18 @@ def read_messages(record: Any, field: str) -> Union[list[dict], Skip]:
         return Skip(f"missing field {field!r}")
     if not isinstance(raw, list):
         return Skip(f"field {field!r} is not a list")
+    if not all(isinstance(turn, dict) for turn in raw):
+        return Skip("message is not an object")
+    return raw
+
+
+def read_messages(record: Any, field: str) -> Union[list[dict], Skip]:
+    """An OpenAI-style `messages` list → validated messages (other keys, e.g. tool_calls, pass through)."""
+    raw = read_turns(record, field)
+    if isinstance(raw, Skip):
+        return raw
     messages = []
     for message in raw:
-        if not isinstance(message, dict):
-            return Skip("message is not an object")
         role, content = message.get("role"), message.get("content")
         if role not in ROLES:
             return Skip(f"unknown role {short(role)}")
@@ -68,17 +76,11 @@ def read_messages(record: Any, field: str) -> Union[list[dict], Skip]:
 
 def read_sharegpt(record: Any, field: str, roles: dict[str, str]) -> Union[list[dict], Skip]:
     """ShareGPT `conversations` of `{from, value}` → messages, roles mapped by `roles`."""
-    if not isinstance(record, dict):
-        return Skip("not an object")
-    raw = record.get(field)
-    if raw is None:
-        return Skip(f"missing field {field!r}")
-    if not isinstance(raw, list):
-        return Skip(f"field {field!r} is not a list")
+    raw = read_turns(record, field)
+    if isinstance(raw, Skip):
+        return raw
     messages = []
     for turn in raw:
-        if not isinstance(turn, dict):
-            return Skip("message is not an object")
         speaker, value = turn.get("from"), turn.get("value")
         if not isinstance(speaker, str) or speaker not in roles:
             return Skip(f"unknown role {short(speaker)}")
