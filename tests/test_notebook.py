@@ -33,6 +33,12 @@ def text_of(cell) -> str:
     return "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
 
 
+def stdout_of(cell) -> str:
+    """What the cell printed, without stderr: progress bars there would split its lines."""
+    return "".join(o.get("text", "") for o in cell.outputs
+                   if o.output_type == "stream" and o.get("name") == "stdout")
+
+
 def shown_text(cell) -> str:
     """Streams plus the text/plain of displays: rich prints to a Jupyter kernel as a display."""
     return text_of(cell) + "".join(o.get("data", {}).get("text/plain", "") for o in cell.outputs
@@ -106,12 +112,12 @@ def test_notebook_exports_the_adapter_and_generates(executed):
     exported = [rank for rank in RANKS
                 if store.exists(join(load_config(CONFIG, [f"name={prefix}-r{rank}"]).run_uri, "export"))]
     assert len(exported) == 1
-    printed = re.search(r"^adapter: (\S+)$", "".join(text_of(c) for c in nb.cells if c.cell_type == "code"),
+    printed = re.search(r"^adapter: (\S+)$", "".join(stdout_of(c) for c in nb.cells if c.cell_type == "code"),
                         re.MULTILINE)
     assert printed and f"{prefix}-r{exported[0]}/export/" in printed.group(1)
     assert store.exists(join(printed.group(1), "adapter_config.json"))
     assert store.exists(join(printed.group(1), "adapter_model.safetensors"))
-    sample = re.search(r"^sample: (.+)$", text_of(tagged(nb, "generate")), re.MULTILINE)
+    sample = re.search(r"^sample: (.+)$", stdout_of(tagged(nb, "generate")), re.MULTILINE)
     assert sample and ast.literal_eval(sample.group(1)).strip()
 
 
@@ -122,7 +128,7 @@ def test_notebook_previews_trains_exports_and_chats(executed):
     assert summary["status"] == "succeeded" and summary["steps"] == CHAT_STEPS
     # The preview is the ChatML rendering of one conversation, as prepare tokenizes it.
     assert "<|im_start|>user" in shown_text(tagged(nb, "chat-preview"))
-    answer_cell = text_of(tagged(nb, "chat-answer"))
+    answer_cell = stdout_of(tagged(nb, "chat-answer"))
     merged = re.search(r"^merged: (\S+)$", answer_cell, re.MULTILINE)
     assert merged and f"{prefix}-chat/export/" in merged.group(1)
     prompt = re.search(r"^prompt: (.+)$", answer_cell, re.MULTILINE)
