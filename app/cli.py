@@ -38,14 +38,14 @@ def print_env(env: dict[str, str]) -> None:
 
 
 def cmd_local(args) -> int:
-    from app import local
+    from app.dev import local
 
     state_dir = Path(args.state_dir)
     if args.action == "up":
         state = local.up(state_dir, num_cpus=args.num_cpus, auth_token_path=args.auth_token_path)
         env = local.local_env(state)
         if not args.no_seed:
-            from app.demo import cache_dir_for, seed_local_stack
+            from app.dev.demo import cache_dir_for, seed_local_stack
             from app.storage import Store
 
             os.environ.update(env)
@@ -112,7 +112,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from app.demo import run_demo
+    from app.dev.demo import run_demo
 
     return run_demo(config_path=args.config, state_dir=Path(args.state_dir), max_steps=args.max_steps,
                     keep_stack=args.keep_stack)

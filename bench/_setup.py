@@ -44,7 +44,7 @@ RUNS_URI = "s3://eft/bench-runs"
 def local_s3() -> Iterator[str]:
     """moto's S3 server on a free loopback port; this process's env (and so every child's)
     points boto3/pyarrow at it. Yields the endpoint."""
-    from app import local
+    from app.dev import local
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -76,7 +76,7 @@ def stop_ray() -> None:
 
 def bench_texts(repeat: int = 1) -> list[str]:
     """The pydoc corpus (754 paragraphs, ~290 kB), repeated `repeat` times."""
-    from app.tiny import build_corpus
+    from app.dev.tiny import build_corpus
 
     return build_corpus() * repeat
 
@@ -84,7 +84,7 @@ def bench_texts(repeat: int = 1) -> list[str]:
 def seed_model_and_corpus(store, texts: list[str], model_uri: str = MODEL_URI, raw_uri: str = RAW_URI,
                           model: Optional[dict] = None) -> None:
     """BPE tokenizer + random-init Llama (BENCH_MODEL) at model_uri, texts as JSONL at raw_uri."""
-    from app.tiny import build_corpus, save_tiny_base, write_jsonl
+    from app.dev.tiny import build_corpus, save_tiny_base, write_jsonl
 
     # The tokenizer is trained on the plain corpus: repeats would change nothing but the time.
     save_tiny_base(store, model_uri, texts=build_corpus(), **(model or BENCH_MODEL))

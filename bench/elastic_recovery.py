@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app import chaos, local  # noqa: E402
+from app.dev import chaos, local  # noqa: E402
 
 chaos.configure_fast_failure_detection()
 
@@ -46,7 +46,7 @@ def build_job(name: str, steps: int, base: str, data: str):
 def prepare_inputs(cfg) -> None:
     from app.data.prepare import prepare_dataset
     from app.storage import Store
-    from app.tiny import build_corpus, save_tiny_base, write_jsonl
+    from app.dev.tiny import build_corpus, save_tiny_base, write_jsonl
 
     store = Store()
     texts = build_corpus(max_docs=300)

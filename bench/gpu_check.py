@@ -44,7 +44,7 @@ def save_base(store, base_uri: str, texts: list[str], size: dict) -> int:
     """A random-init Llama in Hugging Face format, stored in bf16 as real checkpoints are."""
     import torch
 
-    from app.tiny import build_tiny_model, build_tiny_tokenizer
+    from app.dev.tiny import build_tiny_model, build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer(texts, vocab_size=size["vocab"])
     model = build_tiny_model(tokenizer, hidden_size=size["hidden_size"], num_layers=size["num_layers"],
@@ -105,7 +105,7 @@ def run_check(root: str, store, args, size: dict, use_gpu: bool) -> tuple[list[l
     import ray
 
     from app.data.prepare import prepare_dataset
-    from app.tiny import build_corpus, write_jsonl
+    from app.dev.tiny import build_corpus, write_jsonl
     from app.cluster import init_ray
     from app.train.launch import run_training
     from app.train.metrics import load_metrics
@@ -173,7 +173,7 @@ def main() -> None:
         if args.local_dir:
             root = str(Path(args.local_dir).absolute())
         else:
-            from app import local
+            from app.dev import local
 
             stack.enter_context(local.serve_s3())
             root = "s3://eft/gpu-check"

@@ -40,7 +40,7 @@ def build_rows(seq_len: int, n_rows: int):
 
     from app.data.packing import pack_examples, tokenize_documents
     from app.data.formats import Document
-    from app.tiny import build_corpus, build_tiny_tokenizer
+    from app.dev.tiny import build_corpus, build_tiny_tokenizer
 
     texts = build_corpus()
     tokenizer = build_tiny_tokenizer(texts, vocab_size=512)
@@ -63,7 +63,7 @@ def main() -> None:
 
     import torch
 
-    from app.tiny import build_tiny_model
+    from app.dev.tiny import build_tiny_model
     from app.train.loop import label_tokens, loss_sum
     from transformers.masking_utils import find_packed_sequence_indices
 

@@ -196,7 +196,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from app.storage import Store
-    from app.tiny import build_corpus, save_tiny_base, write_jsonl
+    from app.dev.tiny import build_corpus, save_tiny_base, write_jsonl
 
     datasets.disable_progress_bars()
     load_before = S.load_average()

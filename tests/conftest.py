@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app import local  # noqa: E402
+from app.dev import local  # noqa: E402
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -52,7 +52,7 @@ def build_tiny_dataset(cfg, work_dir: Path, max_docs: int = 300) -> dict:
     from app.data.manifest import load_manifest
     from app.data.prepare import prepare_dataset
     from app.storage import Store
-    from app.tiny import build_corpus, save_tiny_base, write_jsonl
+    from app.dev.tiny import build_corpus, save_tiny_base, write_jsonl
 
     store = Store()
     texts = build_corpus(max_docs=max_docs)

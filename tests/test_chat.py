@@ -27,7 +27,7 @@ from app.data.manifest import load_manifest, shard_uris
 from app.data.packing import IGNORE_INDEX
 from app.data.prepare import prepare_dataset
 from app.storage import Store
-from app.tiny import build_corpus, build_tiny_tokenizer
+from app.dev.tiny import build_corpus, build_tiny_tokenizer
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 # Each template: its special tokens, the end-of-turn marker after an assistant reply, whether the

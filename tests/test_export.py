@@ -17,7 +17,7 @@ import torch
 from app.config import build_config
 from app.export import ExportError, export_run
 from app.storage import Store, join
-from app.tiny import build_corpus, save_tiny_base
+from app.dev.tiny import build_corpus, save_tiny_base
 from app.train.checkpoint import checkpoint_dir_name, find_latest_checkpoint
 from app.train.model import build_peft_config
 

@@ -330,13 +330,13 @@ def test_installed_package_carries_the_crds_and_checks_from_any_directory(tmp_pa
                                 str(wheel)], capture_output=True, text=True, timeout=300)
     assert installed.returncode == 0, installed.stderr[-2000:]
     for name in (*kube.CRD_FILES, "LICENSE", "README.md"):
-        assert (site / "app" / "kuberay_crds" / name).is_file(), name
+        assert (site / "app" / "kube" / "crds" / name).is_file(), name
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {**CLI_ENV, "PYTHONPATH": str(site)}
     where = subprocess.run([sys.executable, "-c", "import app.kube as k; print(k.DEFAULT_CRD_DIR)"], cwd=elsewhere,
                            env=env, capture_output=True, text=True, timeout=120)
-    assert where.stdout.strip() == str(site / "app" / "kuberay_crds"), where.stderr[-2000:]
+    assert where.stdout.strip() == str(site / "app" / "kube" / "crds"), where.stderr[-2000:]
     rendered = subprocess.run([sys.executable, "-m", "app.cli", "manifests", str(REFERENCE), "--overlay", "eks-spot",
                                "--image", IMAGE, "--out", "m"], cwd=elsewhere, env=env, capture_output=True,
                               text=True, timeout=300)

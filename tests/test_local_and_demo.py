@@ -16,7 +16,7 @@ from pathlib import Path
 import boto3
 
 from app.config import load_config
-from app.demo import TEXT_CONFIG, ensure_inputs
+from app.dev.demo import TEXT_CONFIG, ensure_inputs
 from app.storage import Store, join
 
 ROOT = Path(__file__).resolve().parents[1]

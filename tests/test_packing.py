@@ -18,7 +18,7 @@ BOS, EOS, PAD = 0, 1, 2
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from app.tiny import build_corpus, build_tiny_tokenizer
+    from app.dev.tiny import build_corpus, build_tiny_tokenizer
 
     return build_tiny_tokenizer(build_corpus(max_docs=100), vocab_size=300)
 

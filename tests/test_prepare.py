@@ -22,7 +22,7 @@ from app.data.manifest import DatasetError, load_manifest, shard_uris
 from app.data.packing import IGNORE_INDEX, encode_texts
 from app.data.prepare import prepare_dataset
 from app.storage import Store
-from app.tiny import build_corpus, save_tiny_base
+from app.dev.tiny import build_corpus, save_tiny_base
 
 BASE_URI = "s3://eft/models/tiny-prepare"
 SEQ_LEN = 64

@@ -1,4 +1,4 @@
-"""The demo's pre-trained chat base (app/tiny.py): it learns (held-out loss well below uniform, and
+"""The demo's pre-trained chat base (app/dev/tiny.py): it learns (held-out loss well below uniform, and
 below the same model at random init), it is built once (a second seeding neither retrains nor
 rewrites it; a new bucket gets it from the disk cache), and its conversations render through its
 own ChatML template. A small recipe keeps this fast; the demo test checks the real one's numbers."""
@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from app import tiny
+from app.dev import tiny
 from app.storage import Store
 
 SMALL = dict(hidden_size=64, num_layers=2, intermediate_size=128, vocab_size=384, steps=60, batch_size=8)

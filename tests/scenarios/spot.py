@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from app import chaos, local  # noqa: E402
+from app.dev import chaos, local  # noqa: E402
 
 chaos.configure_fast_failure_detection()
 

@@ -17,12 +17,12 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-from app import local
+from app.dev import local
 from app.config import load_config
 from app.storage import Store, join
 
 log = logging.getLogger("eft.demo")
-CONFIGS = Path(__file__).resolve().parents[1] / "jobs" / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "jobs" / "configs"
 DEFAULT_CONFIG = CONFIGS / "tiny-chat.yaml"
 TEXT_CONFIG = CONFIGS / "tiny-cpu.yaml"
 QUESTION = 'What is the "assert" statement?'
@@ -34,7 +34,7 @@ def ensure_inputs(cfg, store: Store, cache_dir: Optional[Path] = None) -> Option
     (prepare.format chat) gets conversations and the pre-trained chat base (built once per bucket;
     once per `cache_dir` when given); a text job the documents and a random-init base. Returns the
     pre-train's report for a chat job."""
-    from app.tiny import build_chat_corpus, build_corpus, save_pretrained_base, save_tiny_base, write_jsonl
+    from app.dev.tiny import build_chat_corpus, build_corpus, save_pretrained_base, save_tiny_base, write_jsonl
 
     texts = build_corpus()
     chat = cfg.prepare.format == "chat"

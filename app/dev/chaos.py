@@ -83,7 +83,7 @@ def start_cluster(worker_nodes: int, cpus_per_node: int = 2, head_cpus: int = 3)
     from ray.cluster_utils import Cluster
 
     from app.cluster import require_token_auth
-    from app.local import find_free_port
+    from app.dev.local import find_free_port
 
     require_token_auth()  # every node inherits the token from this process's environment
     cluster = Cluster(initialize_head=True, head_node_args={

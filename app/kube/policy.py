@@ -1,0 +1,306 @@
+"""The rules every manifest must keep beyond its schema (head off spot, drain timing, pinned
+images, no literal credentials...), each Ray manifest checked against the job config it mounts,
+and `render_checked`, which refuses to hand out anything the checks reject."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import yaml
+
+from app.config import ConfigError, JobConfig, build_config
+from app.kube.render import (CONFIG_MOUNT, DRAIN_ENV, ENTRYPOINT, GPU_RESOURCE, KUEUE_QUEUE_LABEL, SAFE_TO_EVICT,
+                             SPOT_LABELS, build_manifests, check_image)
+from app.kube.schema import Violation, check_schema, format_path, load_schemas
+
+SECRET_NAME = re.compile(r"SECRET|PASSWORD|TOKEN|ACCESS_KEY|API_KEY|CREDENTIAL|PRIVATE_KEY", re.I)
+AWS_KEY_ID = re.compile(r"(?<![A-Z0-9])(AKIA|ASIA)[A-Z0-9]{16}(?![A-Z0-9])")
+
+
+def get(node: Any, *keys, default=None):
+    for key in keys:
+        if isinstance(node, dict) and key in node:
+            node = node[key]
+        elif isinstance(node, list) and isinstance(key, int) and 0 <= key < len(node):
+            node = node[key]
+        else:
+            return default
+    return node
+
+
+def iter_strings(node: Any, path: tuple = ()) -> Iterator[tuple[tuple, str]]:
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from iter_strings(v, path + (k,))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from iter_strings(v, path + (i,))
+    elif isinstance(node, str):
+        yield path, node
+
+
+def find_spot_selectors(pod_spec: dict) -> list[tuple[str, str]]:
+    """(field, label key) for each way a pod spec asks for spot nodes: a nodeSelector entry or a
+    required node-affinity `In`."""
+    found = [("nodeSelector", k) for k, v in (pod_spec.get("nodeSelector") or {}).items() if SPOT_LABELS.get(k) == v]
+    terms = get(pod_spec, "affinity", "nodeAffinity", "requiredDuringSchedulingIgnoredDuringExecution",
+                "nodeSelectorTerms", default=[]) or []
+    for term in terms:
+        for expr in term.get("matchExpressions") or []:
+            if expr.get("operator") == "In" and SPOT_LABELS.get(expr.get("key")) in (expr.get("values") or []):
+                found.append(("affinity", expr["key"]))
+    return found
+
+
+def selects_spot(pod_spec: dict) -> list[str]:
+    return sorted({key for _, key in find_spot_selectors(pod_spec)})
+
+
+def tolerates(pod_spec: dict, key: str) -> bool:
+    return any(t.get("key") == key or (not t.get("key") and t.get("operator") == "Exists")
+               for t in pod_spec.get("tolerations") or [])
+
+
+def term_excludes_spot(term: dict) -> bool:
+    exprs = term.get("matchExpressions") or []
+    for expr in exprs:
+        spot = SPOT_LABELS.get(expr.get("key"))
+        if spot and expr.get("operator") == "In" and spot not in (expr.get("values") or []):
+            return True  # restricted to nodes labelled with a non-spot capacity type
+    return all(any(e.get("key") == key and (e.get("operator") == "DoesNotExist" or
+                                             (e.get("operator") == "NotIn" and value in (e.get("values") or [])))
+                   for e in exprs)
+               for key, value in SPOT_LABELS.items())
+
+
+def check_head_off_spot(pod_spec: dict, at: str) -> list[tuple[str, str]]:
+    out = []
+    for field, key in find_spot_selectors(pod_spec):
+        out.append((f"{at}.{field}", f"head pod selects spot nodes ({key})"))
+    for i, tol in enumerate(pod_spec.get("tolerations") or []):
+        if tol.get("key") in SPOT_LABELS or (not tol.get("key") and tol.get("operator") == "Exists"):
+            out.append((f"{at}.tolerations[{i}]", "head pod tolerates the spot taint"))
+    terms = get(pod_spec, "affinity", "nodeAffinity", "requiredDuringSchedulingIgnoredDuringExecution",
+                "nodeSelectorTerms", default=None)
+    if not terms or not all(term_excludes_spot(t) for t in terms):
+        out.append((f"{at}.affinity.nodeAffinity", "head pod must require non-spot nodes "
+                                                    f"(NotIn spot for {', '.join(SPOT_LABELS)})"))
+    return out
+
+
+def check_container(c: dict, at: str) -> list[tuple[str, str]]:
+    out = []
+    if problem := check_image(c.get("image")):
+        out.append((f"{at}.image", problem))
+    requests = get(c, "resources", "requests", default={}) or {}
+    limits = get(c, "resources", "limits", default={}) or {}
+    for res in sorted(set(requests) | set(limits)):
+        if "gpu" in res and str(requests.get(res)) != str(limits.get(res)):
+            out.append((f"{at}.resources", f"{res} requests ({requests.get(res)}) != limits ({limits.get(res)})"))
+    for i, env in enumerate(c.get("env") or []):
+        if SECRET_NAME.search(env.get("name", "")) and "value" in env:
+            out.append((f"{at}.env[{i}].value", f"{env['name']} is a literal credential; use a secretKeyRef "
+                                                "or a service account"))
+    return out
+
+
+def check_pod(pod: dict, at: str, *, ray: bool) -> list[tuple[str, str]]:
+    spec = pod.get("spec") or {}
+    out = []
+    containers = spec.get("containers") or []
+    for i, c in enumerate(containers):
+        out += check_container(c, f"{at}.spec.containers[{i}]")
+    for i, c in enumerate(spec.get("initContainers") or []):
+        out += check_container(c, f"{at}.spec.initContainers[{i}]")
+    if not ray or not containers:
+        return out
+    main = containers[0]
+    shm_volumes = {v.get("name") for v in spec.get("volumes") or [] if get(v, "emptyDir", "medium") == "Memory"}
+    if not any(m.get("mountPath") == "/dev/shm" and m.get("name") in shm_volumes for m in main.get("volumeMounts")
+               or []):
+        out.append((f"{at}.spec.volumes", "/dev/shm must be a memory emptyDir mounted in the Ray container"))
+    drain = next((e.get("value") for e in main.get("env") or [] if e.get("name") == DRAIN_ENV), None)
+    grace = spec.get("terminationGracePeriodSeconds")
+    if drain is None or not str(drain).isdigit():
+        out.append((f"{at}.spec.containers[0].env", f"{DRAIN_ENV} must be set to a whole number of seconds"))
+    elif not isinstance(grace, int) or grace <= int(drain):
+        out.append((f"{at}.spec.terminationGracePeriodSeconds",
+                    f"{grace} must be longer than {DRAIN_ENV} ({drain}) so a reclaimed node drains"))
+    return out
+
+
+def check_cluster_spec(spec: dict, at: str) -> list[tuple[str, str]]:
+    out = []
+    head = get(spec, "headGroupSpec", default={}) or {}
+    if get(head, "rayStartParams", "num-cpus") != "0":
+        out.append((f"{at}.headGroupSpec.rayStartParams", 'num-cpus must be "0" (no work on the head)'))
+    head_tpl = head.get("template") or {}
+    out += check_pod(head_tpl, f"{at}.headGroupSpec.template", ray=True)
+    out += check_head_off_spot(head_tpl.get("spec") or {}, f"{at}.headGroupSpec.template.spec")
+    if get(head_tpl, "metadata", "annotations", SAFE_TO_EVICT) != "false":
+        out.append((f"{at}.headGroupSpec.template.metadata.annotations", f'{SAFE_TO_EVICT} must be "false"'))
+    if spec.get("enableInTreeAutoscaling") is not True:
+        out.append((f"{at}.enableInTreeAutoscaling", "must be true"))
+    if get(spec, "autoscalerOptions", "version") != "v2":
+        out.append((f"{at}.autoscalerOptions.version", 'must be "v2"'))
+    if not isinstance(get(spec, "autoscalerOptions", "idleTimeoutSeconds"), int) or \
+            get(spec, "autoscalerOptions", "idleTimeoutSeconds") <= 0:
+        out.append((f"{at}.autoscalerOptions.idleTimeoutSeconds", "an idle timeout must be set"))
+    autoscaler_image = get(spec, "autoscalerOptions", "image")
+    if autoscaler_image and (problem := check_image(autoscaler_image)):
+        out.append((f"{at}.autoscalerOptions.image", problem))
+    groups = spec.get("workerGroupSpecs") or []
+    if not groups:
+        out.append((f"{at}.workerGroupSpecs", "at least one worker group is needed"))
+    for i, group in enumerate(groups):
+        gat = f"{at}.workerGroupSpecs[{i}]"
+        lo, hi = group.get("minReplicas"), group.get("maxReplicas")
+        if isinstance(lo, int) and isinstance(hi, int) and lo > hi:
+            out.append((f"{gat}.minReplicas", f"{lo} > maxReplicas ({hi})"))
+        tpl = group.get("template") or {}
+        out += check_pod(tpl, f"{gat}.template", ray=True)
+        pod_spec = tpl.get("spec") or {}
+        for key in selects_spot(pod_spec):
+            if not tolerates(pod_spec, key):
+                out.append((f"{gat}.template.spec.tolerations", f"selects spot nodes ({key}) but does not "
+                                                                f"tolerate the spot taint"))
+    return out
+
+
+def check_ray_job(doc: dict) -> list[tuple[str, str]]:
+    spec = doc.get("spec") or {}
+    out = []
+    if not str(spec.get("entrypoint", "")).startswith(ENTRYPOINT):
+        out.append(("spec.entrypoint", f"must run {ENTRYPOINT!r}"))
+    if spec.get("submissionMode", "K8sJobMode") != "K8sJobMode":
+        out.append(("spec.submissionMode", "must be K8sJobMode"))
+    if spec.get("shutdownAfterJobFinishes") is not True:
+        out.append(("spec.shutdownAfterJobFinishes", "must be true"))
+    for key, least in (("ttlSecondsAfterFinished", 0), ("backoffLimit", 1), ("activeDeadlineSeconds", 1)):
+        value = spec.get(key)
+        if not isinstance(value, int) or value < least:
+            out.append((f"spec.{key}", f"must be set to an integer >= {least}"))
+    if "rayClusterSpec" not in spec:
+        out.append(("spec.rayClusterSpec", "the RayJob must create its own cluster (retries get a fresh one)"))
+    else:
+        out += check_cluster_spec(spec["rayClusterSpec"], "spec.rayClusterSpec")
+        head_mounts = get(spec, "rayClusterSpec", "headGroupSpec", "template", "spec", "containers", 0,
+                          "volumeMounts", default=[]) or []
+        if not any(m.get("mountPath") == CONFIG_MOUNT for m in head_mounts):
+            out.append(("spec.rayClusterSpec.headGroupSpec.template.spec.containers[0].volumeMounts",
+                        f"the job config must be mounted at {CONFIG_MOUNT}"))
+    if KUEUE_QUEUE_LABEL in (get(doc, "metadata", "labels", default={}) or {}) and spec.get("suspend") is not True:
+        out.append(("spec.suspend", "must be true under Kueue (it unsuspends the job on admission)"))
+    if spec.get("submitterPodTemplate"):
+        out += check_pod(spec["submitterPodTemplate"], "spec.submitterPodTemplate", ray=False)
+    return out
+
+
+def check_policy(doc: dict) -> list[tuple[str, str]]:
+    out = [(format_path(path), "looks like a literal AWS access key id; use a service account or a secretKeyRef")
+           for path, text in iter_strings(doc) if AWS_KEY_ID.search(text)]
+    if doc.get("kind") == "RayCluster":
+        out += check_cluster_spec(doc.get("spec") or {}, "spec")
+    elif doc.get("kind") == "RayJob":
+        out += check_ray_job(doc)
+    return out
+
+
+def parse_config_map_job(doc: dict, manifest: str) -> tuple[Optional[JobConfig], list[Violation]]:
+    text = get(doc, "data", "job.yaml")
+    if text is None:
+        return None, []
+    try:
+        return build_config(yaml.safe_load(text) or {}, "job.yaml"), []
+    except (ConfigError, yaml.YAMLError) as err:
+        return None, [Violation(manifest, 'data["job.yaml"]', str(err).splitlines()[0])]
+
+
+def check_against_config(doc: dict, cfg: JobConfig, at: str) -> list[tuple[str, str]]:
+    """The worker group must be the job config's scaling, in pods (GPUs per pod / GPUs per worker)."""
+    s = cfg.scaling
+    out = []
+    for i, group in enumerate(get(doc, *at.split("."), "workerGroupSpecs", default=[]) or []):
+        limits = get(group, "template", "spec", "containers", 0, "resources", "limits", default={}) or {}
+        gpus = float(str(limits.get(GPU_RESOURCE, 0)))
+        per_pod = gpus / s.gpus_per_worker if s.use_gpu else 1
+        for key, field in (("minReplicas", "min_workers"), ("maxReplicas", "max_workers")):
+            count = getattr(s, field)
+            if not per_pod or group.get(key) != count / per_pod:
+                out.append((f"{at}.workerGroupSpecs[{i}].{key}",
+                            f"{group.get(key)} does not match scaling.{field} ({count}) at {per_pod:g} per pod"))
+    return out
+
+
+def check_documents(docs: list[tuple[str, Any]], schemas: dict) -> list[Violation]:
+    """Schema + policy for each (manifest label, document), then each Ray manifest against the
+    job config of the ConfigMap it mounts, when that ConfigMap is among the documents."""
+    out: list[Violation] = []
+    configs: dict[str, JobConfig] = {}
+    for manifest, doc in docs:
+        out += check_schema(doc, schemas, manifest)
+        if not isinstance(doc, dict):
+            continue
+        out += [Violation(manifest, f, m) for f, m in check_policy(doc)]
+        if doc.get("kind") == "ConfigMap":
+            cfg, bad = parse_config_map_job(doc, manifest)
+            out += bad
+            if cfg is not None:
+                configs[get(doc, "metadata", "name", default="")] = cfg
+    for manifest, doc in docs:
+        if not isinstance(doc, dict) or doc.get("kind") not in ("RayCluster", "RayJob"):
+            continue
+        at = "spec.rayClusterSpec" if doc["kind"] == "RayJob" else "spec"
+        volumes = get(doc, *at.split("."), "headGroupSpec", "template", "spec", "volumes", default=[]) or []
+        for volume in volumes:
+            cfg = configs.get(get(volume, "configMap", "name", default=None))
+            if cfg is not None:
+                out += [Violation(manifest, f, m) for f, m in check_against_config(doc, cfg, at)]
+    return out
+
+
+def load_documents(target: str | Path) -> list[tuple[str, Any]]:
+    """(label, document) for every YAML document under a file or directory. Kustomization files
+    are not manifests and are skipped; a multi-document file labels each `file#Kind/name`."""
+    target = Path(target)
+    if not target.exists():
+        raise ConfigError(f"--check: {target}: no such file or directory")
+    files = [target] if target.is_file() else sorted(p for p in target.rglob("*") if p.suffix in (".yaml", ".yml"))
+    docs = []
+    for path in files:
+        if path.name in ("kustomization.yaml", "kustomization.yml"):
+            continue
+        try:
+            found = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+        except yaml.YAMLError as err:
+            docs.append((str(path), f"not valid YAML ({str(err).splitlines()[0]})"))
+            continue
+        for doc in found:
+            label = str(path)
+            if len(found) > 1 and isinstance(doc, dict):
+                label = f"{path}#{doc.get('kind')}/{get(doc, 'metadata', 'name')}"
+            docs.append((label, doc))
+    return docs
+
+
+def check_path(target: str | Path, crd_dir: str | Path | None = None) -> tuple[int, list[Violation]]:
+    """(documents checked, violations) for a manifest file or directory."""
+    schemas = load_schemas(crd_dir)
+    docs = load_documents(target)
+    if not docs:
+        raise ConfigError(f"--check: {target}: no YAML manifests found")
+    out = [Violation(label, "<root>", doc) for label, doc in docs if isinstance(doc, str)]
+    out += check_documents([(label, doc) for label, doc in docs if not isinstance(doc, str)], schemas)
+    return len(docs), out
+
+
+def render_checked(cfg: JobConfig, overlay: Optional[str], image: Optional[str], node_type: Optional[str],
+                   crd_dir: str | Path | None = None) -> dict[str, dict]:
+    """build_manifests, refusing to hand out anything the validator would reject."""
+    manifests = build_manifests(cfg, overlay, image, node_type)
+    problems = check_documents(list(manifests.items()), load_schemas(crd_dir))
+    if problems:
+        raise ValueError(f"rendered manifests fail validation: {problems[0]}")
+    return manifests

@@ -1,0 +1,333 @@
+"""KubeRay manifests derived from a job config.
+
+`build_manifests` turns a `JobConfig` into a ConfigMap (the resolved job.yaml), a RayJob that
+creates its own cluster and runs `eft train /config/job.yaml`, and a standing RayCluster for
+interactive `ray job submit` (created suspended, so applying a directory starts one cluster,
+not two). The job config is the one source of truth: worker group sizes, GPUs, the run name
+and the storage URI all come from it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from app.config import ConfigError, JobConfig, dump_config
+
+RAY_VERSION = "2.60.0"
+CONFIG_MOUNT = "/config"
+ENTRYPOINT = f"eft train {CONFIG_MOUNT}/job.yaml"
+DRAIN_ENV = "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"
+SAFE_TO_EVICT = "cluster-autoscaler.kubernetes.io/safe-to-evict"
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+GPU_RESOURCE = "nvidia.com/gpu"
+# Node labels that mark spot capacity, with the value that means spot.
+SPOT_LABELS = {
+    "karpenter.sh/capacity-type": "spot",
+    "eks.amazonaws.com/capacityType": "SPOT",
+    "cloud.google.com/gke-spot": "true",
+}
+ONE_DAY_S = 24 * 3600
+
+
+@dataclass(frozen=True)
+class NodeType:
+    name: str
+    provider: str  # "aws" or "gcp"
+    gpus: int
+    gpu: str
+    # What a pod may request on the node: allocatable minus kubelet, system and DaemonSet reserve.
+    cpus: int
+    memory_gib: int
+
+
+NODE_TYPES = {n.name: n for n in [
+    NodeType("p4d.24xlarge", "aws", 8, "A100-40GB", 92, 1050),
+    NodeType("p4de.24xlarge", "aws", 8, "A100-80GB", 92, 1050),
+    NodeType("p5.48xlarge", "aws", 8, "H100-80GB", 188, 1900),
+    NodeType("g5.48xlarge", "aws", 8, "A10G-24GB", 188, 700),
+    NodeType("g5.12xlarge", "aws", 4, "A10G-24GB", 44, 170),
+    NodeType("m6i.2xlarge", "aws", 0, "", 7, 26),
+    NodeType("a3-highgpu-8g", "gcp", 8, "H100-80GB", 200, 1700),
+    NodeType("a2-highgpu-8g", "gcp", 8, "A100-40GB", 92, 600),
+    NodeType("a2-ultragpu-8g", "gcp", 8, "A100-80GB", 92, 1200),
+    NodeType("g2-standard-48", "gcp", 4, "L4-24GB", 44, 170),
+    NodeType("n2-standard-8", "gcp", 0, "", 7, 26),
+]}
+
+
+@dataclass(frozen=True)
+class Overlay:
+    name: str
+    provider: Optional[str]  # None: any provider's node types
+    spot: bool
+    gpu_node: str
+    cpu_node: str
+    # AWS gives a 2-minute spot notice, GKE about 30 s: the drain must end before the kill.
+    drain_timeout_s: int
+    grace_period_s: int
+    service_account: Optional[str] = None
+    queue: Optional[str] = None
+
+
+OVERLAYS = {o.name: o for o in [
+    Overlay("base", None, False, "p4d.24xlarge", "m6i.2xlarge", 90, 120),
+    Overlay("eks-spot", "aws", True, "p4d.24xlarge", "m6i.2xlarge", 90, 110, service_account="eft"),
+    Overlay("gke-spot", "gcp", True, "a3-highgpu-8g", "n2-standard-8", 15, 25, service_account="eft"),
+    Overlay("kueue", None, False, "p4d.24xlarge", "m6i.2xlarge", 90, 120, queue="eft"),
+]}
+
+
+@dataclass(frozen=True)
+class Placement:
+    node: NodeType
+    workers_per_pod: int
+    min_replicas: int
+    max_replicas: int
+    pod_cpus: int
+    pod_memory_gib: int
+    pod_gpus: int
+
+
+def resolve_overlay(name: Optional[str]) -> Overlay:
+    if name not in OVERLAYS:
+        raise ConfigError(f"--overlay: unknown overlay {name!r} (choose one of {', '.join(OVERLAYS)})")
+    return OVERLAYS[name]
+
+
+def resolve_node_type(cfg: JobConfig, overlay: Overlay, node_type: Optional[str]) -> NodeType:
+    name = node_type or (overlay.gpu_node if cfg.scaling.use_gpu else overlay.cpu_node)
+    if name not in NODE_TYPES:
+        raise ConfigError(f"--node-type: unknown node type {name!r} (known: {', '.join(NODE_TYPES)})")
+    node = NODE_TYPES[name]
+    if overlay.provider and node.provider != overlay.provider:
+        raise ConfigError(f"--node-type: {name} is a {node.provider} node type; overlay {overlay.name} "
+                          f"runs on {overlay.provider}")
+    if cfg.scaling.use_gpu and node.gpus == 0:
+        raise ConfigError(f"scaling.use_gpu: true but node type {name} has no GPUs")
+    if not cfg.scaling.use_gpu and node.gpus:
+        raise ConfigError(f"scaling.use_gpu: false but node type {name} has {node.gpus} GPUs; pick a CPU node type")
+    return node
+
+
+def check_image(image: Optional[str]) -> Optional[str]:
+    """Why an image reference is not pinned, or None. A digest pins; so does any tag but latest."""
+    if not image:
+        return "image missing"
+    if "@sha256:" in image:
+        return None
+    last = image.rsplit("/", 1)[-1]
+    if ":" not in last:
+        return f"image {image!r} is not pinned by tag"
+    if last.rsplit(":", 1)[1] == "latest":
+        return f"image {image!r} uses the moving tag 'latest'"
+    return None
+
+
+def plan_placement(cfg: JobConfig, node: NodeType) -> Placement:
+    """Whole-node GPU pods (one Ray worker pod per node, one Ray Train worker per GPU share);
+    CPU jobs get one Ray Train worker per pod."""
+    s = cfg.scaling
+    if s.min_workers > s.max_workers:
+        raise ConfigError(f"scaling.min_workers: {s.min_workers} > scaling.max_workers ({s.max_workers})")
+    if s.use_gpu:
+        if s.gpus_per_worker > node.gpus:
+            raise ConfigError(f"scaling.gpus_per_worker: {s.gpus_per_worker:g} GPUs per worker do not fit a "
+                              f"{node.name} node ({node.gpus} GPUs)")
+        per_pod = node.gpus / s.gpus_per_worker
+        if per_pod != int(per_pod):
+            raise ConfigError(f"scaling.gpus_per_worker: {s.gpus_per_worker:g} does not divide the "
+                              f"{node.gpus} GPUs of a {node.name} node")
+        per_pod = int(per_pod)
+        cpus, memory, gpus = node.cpus, node.memory_gib, node.gpus
+        if per_pod * s.cpus_per_worker > node.cpus:
+            raise ConfigError(f"scaling.cpus_per_worker: {per_pod} workers x {s.cpus_per_worker:g} CPUs do not "
+                              f"fit a {node.name} node ({node.cpus} CPUs for pods)")
+    else:
+        # One spare CPU per pod for the raylet and Ray Data's streaming reads.
+        per_pod, cpus, gpus = 1, math.ceil(s.cpus_per_worker) + 1, 0
+        memory = 4 * cpus
+        if cpus > node.cpus:
+            raise ConfigError(f"scaling.cpus_per_worker: {s.cpus_per_worker:g} CPUs per worker do not fit a "
+                              f"{node.name} node ({node.cpus} CPUs for pods)")
+    for key in ("min_workers", "max_workers"):
+        count = getattr(s, key)
+        if count % per_pod:
+            raise ConfigError(f"scaling.{key}: {count} workers are not whole {node.name} nodes "
+                              f"({per_pod} workers per node)")
+    return Placement(node, per_pod, s.min_workers // per_pod, s.max_workers // per_pod, cpus, memory, gpus)
+
+
+def build_kube_name(cfg: JobConfig) -> str:
+    name = re.sub(r"[^a-z0-9-]", "-", cfg.name.lower()).strip("-")
+    # KubeRay derives Service names (<name>-head-svc, RayJob suffixes) that must stay under 63.
+    if not name or len(name) > 40:
+        raise ConfigError(f"name: {cfg.name!r} must give a Kubernetes name of 1..40 characters")
+    return name
+
+
+def build_spot_affinity(overlay: Overlay) -> dict:
+    """Workers: spot capacity only. EKS: Karpenter or managed node groups (the terms are OR'ed)."""
+    if overlay.provider == "aws":
+        terms = [{"matchExpressions": [{"key": "karpenter.sh/capacity-type", "operator": "In", "values": ["spot"]}]},
+                 {"matchExpressions": [{"key": "eks.amazonaws.com/capacityType", "operator": "In",
+                                        "values": ["SPOT"]}]}]
+    else:
+        terms = [{"matchExpressions": [{"key": "cloud.google.com/gke-spot", "operator": "In", "values": ["true"]}]}]
+    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": terms}}}
+
+
+def build_head_affinity() -> dict:
+    """Head: never on spot on any provider. NotIn also matches nodes without the label."""
+    exprs = [{"key": k, "operator": "NotIn", "values": [v]} for k, v in SPOT_LABELS.items()]
+    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": exprs}]}}}
+
+
+def build_spot_tolerations(overlay: Overlay) -> list[dict]:
+    keys = ["karpenter.sh/capacity-type", "eks.amazonaws.com/capacityType"] if overlay.provider == "aws" \
+        else ["cloud.google.com/gke-spot"]
+    return [{"key": k, "operator": "Exists", "effect": "NoSchedule"} for k in keys]
+
+
+def build_env(cfg: JobConfig, overlay: Overlay) -> list[dict]:
+    env = [{"name": DRAIN_ENV, "value": str(overlay.drain_timeout_s)},
+           {"name": "AWS_DEFAULT_REGION", "value": cfg.storage.s3_region},
+           {"name": "RAY_USAGE_STATS_ENABLED", "value": "0"}]
+    if overlay.provider == "gcp":
+        # The app speaks S3; on GKE that is GCS's S3 API with HMAC keys kept in a Secret.
+        env += [{"name": key, "valueFrom": {"secretKeyRef": {"name": "eft-s3-hmac", "key": key, "optional": True}}}
+                for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")]
+    if cfg.storage.s3_endpoint:
+        env.append({"name": "AWS_ENDPOINT_URL", "value": cfg.storage.s3_endpoint})
+    return env
+
+
+def build_resources(cpus: int, memory_gib: int, gpus: int) -> dict:
+    # requests == limits: Guaranteed QoS, and the device plugin demands equal GPU counts anyway.
+    amounts = {"cpu": str(cpus), "memory": f"{memory_gib}Gi"}
+    if gpus:
+        amounts[GPU_RESOURCE] = str(gpus)
+    return {"requests": dict(amounts), "limits": dict(amounts)}
+
+
+def build_pod_template(cfg: JobConfig, overlay: Overlay, image: str, *, head: bool, resources: dict,
+                       config_map: str, shm_gib: int, extra: dict) -> dict:
+    container = {
+        "name": "ray-head" if head else "ray-worker",
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        "env": build_env(cfg, overlay),
+        "resources": resources,
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"},
+                         {"name": "job-config", "mountPath": CONFIG_MOUNT, "readOnly": True}],
+    }
+    if head:
+        container["ports"] = [{"name": "gcs", "containerPort": 6379}, {"name": "dashboard", "containerPort": 8265},
+                              {"name": "client", "containerPort": 10001}]
+    spec = {
+        "terminationGracePeriodSeconds": overlay.grace_period_s,
+        "containers": [container],
+        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{shm_gib}Gi"}},
+                    {"name": "job-config", "configMap": {"name": config_map}}],
+        **extra,
+    }
+    if overlay.service_account:
+        spec["serviceAccountName"] = overlay.service_account
+    annotations = {SAFE_TO_EVICT: "false", "karpenter.sh/do-not-disrupt": "true"} if head else {}
+    meta = {"labels": {"app.kubernetes.io/name": "eft", "eft/run": build_kube_name(cfg)}}
+    if annotations:
+        meta["annotations"] = annotations
+    return {"metadata": meta, "spec": spec}
+
+
+def build_cluster_spec(cfg: JobConfig, overlay: Overlay, image: str, place: Placement) -> dict:
+    config_map = f"{build_kube_name(cfg)}-config"
+    head = build_pod_template(cfg, overlay, image, head=True, resources=build_resources(4, 16, 0),
+                              config_map=config_map, shm_gib=4, extra={"affinity": build_head_affinity()})
+    extra: dict[str, Any] = {"restartPolicy": "Never"}  # autoscaler v2 replaces failed worker pods itself
+    tolerations = []
+    if overlay.spot:
+        extra["affinity"] = build_spot_affinity(overlay)
+        tolerations += build_spot_tolerations(overlay)
+    if place.pod_gpus:
+        tolerations.append({"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
+    if tolerations:
+        extra["tolerations"] = tolerations
+    if overlay.name != "base":
+        extra["nodeSelector"] = {"node.kubernetes.io/instance-type": place.node.name}
+    worker = build_pod_template(cfg, overlay, image, head=False,
+                                resources=build_resources(place.pod_cpus, place.pod_memory_gib, place.pod_gpus),
+                                config_map=config_map, shm_gib=max(1, place.pod_memory_gib // 3), extra=extra)
+    group = "gpu-workers" if place.pod_gpus else "cpu-workers"
+    return {
+        "rayVersion": RAY_VERSION,
+        "enableInTreeAutoscaling": True,
+        "autoscalerOptions": {"version": "v2", "idleTimeoutSeconds": 120, "upscalingMode": "Default"},
+        "headGroupSpec": {"rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0"}, "template": head},
+        "workerGroupSpecs": [{
+            "groupName": group,
+            "replicas": place.min_replicas,
+            "minReplicas": place.min_replicas,
+            "maxReplicas": place.max_replicas,
+            "rayStartParams": {},
+            "template": worker,
+        }],
+    }
+
+
+def build_manifests(cfg: JobConfig, overlay_name: Optional[str], image: Optional[str],
+                    node_type: Optional[str] = None) -> dict[str, dict]:
+    """file name → manifest. Raises ConfigError (one line, naming the field) if it cannot be placed."""
+    overlay = resolve_overlay(overlay_name)
+    if not image:
+        raise ConfigError("--image: required (a container image with eft installed, pinned by tag)")
+    if problem := check_image(image):
+        raise ConfigError(f"--image: {problem}")
+    place = plan_placement(cfg, resolve_node_type(cfg, overlay, node_type))
+    name = build_kube_name(cfg)
+    labels = {"app.kubernetes.io/name": "eft", "eft/run": name}
+    annotations = {"eft/run-uri": cfg.run_uri}
+    config_map = {"apiVersion": "v1", "kind": "ConfigMap",
+                  "metadata": {"name": f"{name}-config", "labels": labels},
+                  "data": {"job.yaml": dump_config(cfg)}}
+    job_labels = dict(labels, **({KUEUE_QUEUE_LABEL: overlay.queue} if overlay.queue else {}))
+    job_spec = {
+        "entrypoint": ENTRYPOINT,
+        "submissionMode": "K8sJobMode",
+        "shutdownAfterJobFinishes": True,
+        "ttlSecondsAfterFinished": 600,
+        # A retry gets a fresh cluster; the same run name resumes from its last S3 checkpoint.
+        "backoffLimit": 3,
+        "activeDeadlineSeconds": 3 * ONE_DAY_S,
+        "rayClusterSpec": build_cluster_spec(cfg, overlay, image, place),
+    }
+    if overlay.queue:
+        job_spec["suspend"] = True  # Kueue admits the whole gang, then unsuspends
+    ray_job = {"apiVersion": "ray.io/v1", "kind": "RayJob",
+               "metadata": {"name": name, "labels": job_labels, "annotations": annotations}, "spec": job_spec}
+    cluster_spec = build_cluster_spec(cfg, overlay, image, place)
+    cluster_spec["suspend"] = True  # a standing cluster for `ray job submit`; resume it by hand
+    ray_cluster = {"apiVersion": "ray.io/v1", "kind": "RayCluster",
+                   "metadata": {"name": name, "labels": labels, "annotations": annotations}, "spec": cluster_spec}
+    return {"configmap.yaml": config_map, "rayjob.yaml": ray_job, "raycluster.yaml": ray_cluster}
+
+
+def dump_manifest(doc: dict) -> str:
+    return yaml.safe_dump(doc, sort_keys=False, width=120)
+
+
+def write_manifests(manifests: dict[str, dict], out_dir: str | Path) -> list[Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for file_name, doc in manifests.items():
+        path = out / file_name
+        path.write_text(dump_manifest(doc))
+        paths.append(path)
+    return paths
