@@ -124,10 +124,11 @@ def cmd_manifests(args) -> int:
 
     if args.check:
         count, violations = kube.check_path(args.check, args.crd_dir)
+        # Errors on stdout (one line each, as before); warnings on stderr: they do not fail the check.
         for violation in violations:
-            print(violation)
-        if violations:
-            print(f"eft: {len(violations)} violation(s) in {count} manifest(s)", file=sys.stderr)
+            print(violation, file=sys.stdout if violation.severity == kube.ERROR else sys.stderr)
+        if errors := kube.errors_of(violations):
+            print(f"eft: {len(errors)} violation(s) in {count} manifest(s)", file=sys.stderr)
             return EXIT_FAILED
         print(f"ok: {count} manifest(s) pass the KubeRay CRD schemas and the policy checks")
         return 0
@@ -135,7 +136,10 @@ def cmd_manifests(args) -> int:
         raise ConfigError("manifests: give a job CONFIG to render, or --check DIR")
     if not args.out:
         raise ConfigError("--out: required (the directory to write the manifests to)")
-    manifests = kube.render_checked(_load(args), args.overlay, args.image, args.node_type, args.crd_dir)
+    manifests, warnings = kube.render_checked(_load(args), args.overlay, args.image, args.node_type, args.crd_dir)
+    # The same image warning holds for every container: say it once.
+    for message in dict.fromkeys(w.message for w in warnings):
+        print(f"eft: warning: {message}", file=sys.stderr)
     for path in kube.write_manifests(manifests, args.out):
         print(path)
     return 0
@@ -218,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", nargs="?", help="job YAML to render")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
     p.add_argument("--overlay", default=None, help="eks-spot, gke-spot, kueue or base")
-    p.add_argument("--image", default=None, help="container image with eft installed, pinned by tag")
+    p.add_argument("--image", default=None, help="container image built from the Dockerfile, pinned by digest (a tag warns)")
     p.add_argument("--node-type", default=None, help="worker node type (default: per overlay)")
     p.add_argument("--out", default=None, help="directory to write configmap/rayjob/raycluster YAML to")
     p.add_argument("--check", default=None, metavar="DIR", help="validate every YAML under DIR (or a file)")

@@ -20,6 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "jobs" / "configs").glob("*.yaml"))
 REFERENCE = ROOT / "jobs" / "configs" / "llama3-70b-lora.yaml"
 IMAGE = "registry.example.com/eft:0.1.0"
+KINDS = ["ConfigMap", "NetworkPolicy", "PodDisruptionBudget", "RayCluster", "RayJob", "ServiceAccount"]
+FILES = ["configmap.yaml", "networkpolicy.yaml", "poddisruptionbudget.yaml", "raycluster.yaml", "rayjob.yaml",
+         "serviceaccount.yaml"]
 CLI_ENV = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
 
 
@@ -45,7 +48,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def violations_of(docs: dict, schemas) -> list[str]:
-    return [str(v) for v in kube.check_documents(list(docs.items()), schemas)]
+    return [str(v) for v in kube.errors_of(kube.check_documents(list(docs.items()), schemas))]
 
 
 # ----------------------------------------------------------------------------- what must pass
@@ -61,8 +64,14 @@ def test_kustomize_tree_is_what_the_renderer_gives():
 
 def test_static_base_manifests_pass():
     count, violations = kube.check_path(ROOT / "kuberay" / "base")
-    assert count == 3
-    assert [str(v) for v in violations] == []
+    assert count == len(KINDS)
+    assert [str(v) for v in kube.errors_of(violations)] == []
+    # The example image is pinned by tag: a warning (with its field path), not an error.
+    assert {(v.severity, v.message) for v in violations} == {
+        (kube.WARNING, f"image {kube.BASE_IMAGE!r} is pinned by tag, not digest: a re-pushed tag changes what new "
+                       "pods run")}
+    assert f"{ROOT}/kuberay/base/rayjob.yaml: spec.submitterPodTemplate.spec.containers[0].image: warning: " \
+        in "\n".join(map(str, violations))
 
 
 @pytest.mark.parametrize("overlay", kube.KUSTOMIZE_OVERLAYS)
@@ -70,8 +79,9 @@ def test_overlay_builds_with_kubectl_and_passes(overlay, schemas):
     built = subprocess.run([kubectl(), "kustomize", str(ROOT / "kuberay" / "overlays" / overlay)],
                            capture_output=True, text=True, timeout=60, check=True).stdout
     docs = list(yaml.safe_load_all(built))
-    assert sorted(d["kind"] for d in docs) == ["ConfigMap", "RayCluster", "RayJob"]
-    assert [str(v) for v in kube.check_documents([(f"{overlay}#{d['kind']}", d) for d in docs], schemas)] == []
+    assert sorted(d["kind"] for d in docs) == KINDS
+    found = kube.check_documents([(f"{overlay}#{d['kind']}", d) for d in docs], schemas)
+    assert [str(v) for v in kube.errors_of(found)] == []
     # The overlay is exactly what `eft manifests` renders for the base config.
     rendered = kube.build_manifests(load_config(kube.BASE_CONFIG), overlay, kube.BASE_IMAGE)
     assert {d["kind"]: d for d in docs} == {d["kind"]: d for d in rendered.values()}
@@ -105,6 +115,50 @@ def test_reference_scenario_70b_on_eks_spot(reference):
     assert cluster["spec"]["suspend"] is True  # the standing cluster costs nothing until resumed
     job_yaml = yaml.safe_load(reference["configmap.yaml"]["data"]["job.yaml"])
     assert job_yaml == load_config(REFERENCE).model_dump(mode="json")
+
+
+def test_reference_is_authenticated_and_hardened(reference):
+    """What the README's security section promises, field by field, on both Ray manifests."""
+    hardened = {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 100, "allowPrivilegeEscalation": False,
+                "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]},
+                "seccompProfile": {"type": "RuntimeDefault"}}
+    job, cluster = reference["rayjob.yaml"], reference["raycluster.yaml"]
+    for spec in (job["spec"]["rayClusterSpec"], cluster["spec"]):
+        assert spec["authOptions"] == {"mode": "token"}
+        assert spec["autoscalerOptions"]["securityContext"] == hardened
+        # The API token is mounted into the autoscaler sidecar only; no pod automounts one.
+        assert {"name": "kube-api-token", "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount",
+                "readOnly": True} in spec["autoscalerOptions"]["volumeMounts"]
+        head, worker = spec["headGroupSpec"]["template"]["spec"], spec["workerGroupSpecs"][0]["template"]["spec"]
+        assert [v["name"] for v in head["volumes"] if "projected" in v] == ["kube-api-token"]
+        assert not any("projected" in v for v in worker["volumes"])
+        for pod in (head, worker):
+            assert pod["serviceAccountName"] == "eft" and pod["automountServiceAccountToken"] is False
+            container = pod["containers"][0]
+            assert container["securityContext"] == hardened
+            mounts = {m["mountPath"] for m in container["volumeMounts"]}
+            assert {"/tmp", "/cache", "/dev/shm"} <= mounts
+            env = {e["name"]: e.get("value") for e in container["env"]}
+            assert env["HF_HOME"] == "/cache/huggingface" and env["XDG_CACHE_HOME"] == "/cache"
+        # p4d.24xlarge: 8 x 40 GB of GPU memory as model cache + 10 GiB for logs.
+        assert worker["containers"][0]["resources"]["requests"]["ephemeral-storage"] == "330Gi"
+        assert "ephemeral-storage" not in worker["containers"][0]["resources"]["limits"]
+    submitter = job["spec"]["submitterPodTemplate"]
+    assert submitter["metadata"]["labels"]["eft/run"] == "llama3-70b-lora"
+    assert submitter["spec"]["containers"][0]["securityContext"] == hardened
+    assert reference["serviceaccount.yaml"]["metadata"]["name"] == "eft"
+    assert reference["serviceaccount.yaml"]["automountServiceAccountToken"] is False
+    pdb = reference["poddisruptionbudget.yaml"]["spec"]
+    assert pdb == {"maxUnavailable": 0, "selector": {"matchLabels": {"eft/run": "llama3-70b-lora",
+                                                                     "ray.io/node-type": "head"}}}
+    policy = reference["networkpolicy.yaml"]["spec"]
+    assert policy["podSelector"] == {"matchLabels": {"eft/run": "llama3-70b-lora"}}
+    assert policy["policyTypes"] == ["Ingress"] and "egress" not in policy
+    rules = policy["ingress"]
+    assert rules[0] == {"from": [{"podSelector": {"matchLabels": {"eft/run": "llama3-70b-lora"}}}]}
+    assert rules[1]["from"] == [{"podSelector": {"matchLabels": {"eft/ray-client": "true"}}}]
+    assert sorted(p["port"] for p in rules[1]["ports"]) == [8265, 10001]
+    assert [p["port"] for p in rules[2]["ports"]] == [8265]
 
 
 # ----------------------------------------------------------------------------- the checks bite
@@ -170,6 +224,48 @@ MUTATIONS = {
                          "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S must be set"),
     "replicas off the config": ("spec.workerGroupSpecs.0.maxReplicas", 3, "spec.workerGroupSpecs[0].maxReplicas",
                                 "does not match scaling.max_workers (32)"),
+    "auth removed": ("spec.authOptions", DELETE, "spec.authOptions.mode", "None must be 'token'"),
+    "auth disabled": ("spec.authOptions.mode", "disabled", "spec.authOptions.mode", "'disabled' must be 'token'"),
+    "auth mode misspelled": ("spec.authOptions.mode", "Token", "spec.authOptions.mode", "is not one of"),
+    "runs as root": (f"{WORKER}.containers.0.securityContext.runAsUser", 0,
+                     "spec.workerGroupSpecs[0].template.spec.containers[0].securityContext.runAsUser",
+                     "0 runs as root"),
+    "root allowed": (f"{HEAD}.containers.0.securityContext.runAsNonRoot", False,
+                     "spec.headGroupSpec.template.spec.containers[0].securityContext.runAsNonRoot", "must be true"),
+    "no security context": (f"{WORKER}.containers.0.securityContext", DELETE,
+                            "spec.workerGroupSpecs[0].template.spec.containers[0].securityContext"
+                            ".allowPrivilegeEscalation", "must be false"),
+    "privilege escalation": (f"{HEAD}.containers.0.securityContext.allowPrivilegeEscalation", True,
+                             "spec.headGroupSpec.template.spec.containers[0].securityContext.allowPrivilegeEscalation",
+                             "must be false"),
+    "capabilities kept": (f"{WORKER}.containers.0.securityContext.capabilities", {"drop": ["NET_RAW"]},
+                          "spec.workerGroupSpecs[0].template.spec.containers[0].securityContext.capabilities.drop",
+                          'must drop ["ALL"]'),
+    "seccomp unconfined": (f"{WORKER}.containers.0.securityContext.seccompProfile.type", "Unconfined",
+                           "spec.workerGroupSpecs[0].template.spec.containers[0].securityContext.seccompProfile.type",
+                           "must be RuntimeDefault"),
+    "privileged": (f"{WORKER}.containers.0.securityContext.privileged", True,
+                   "spec.workerGroupSpecs[0].template.spec.containers[0].securityContext.privileged",
+                   "must not be true"),
+    "autoscaler not hardened": ("spec.autoscalerOptions.securityContext", DELETE,
+                                "spec.autoscalerOptions.securityContext.allowPrivilegeEscalation", "must be false"),
+    "default service account": (f"{WORKER}.serviceAccountName", "default",
+                                "spec.workerGroupSpecs[0].template.spec.serviceAccountName", "never 'default'"),
+    "no service account": (f"{HEAD}.serviceAccountName", DELETE,
+                           "spec.headGroupSpec.template.spec.serviceAccountName", "never 'default'"),
+    "API token automounted": (f"{WORKER}.automountServiceAccountToken", True,
+                              "spec.workerGroupSpecs[0].template.spec.automountServiceAccountToken", "must be false"),
+    "API token in the Ray container": (f"{HEAD}.containers.0.volumeMounts.9",
+                                       {"name": "kube-api-token",
+                                        "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount"},
+                                       "spec.headGroupSpec.template.spec.containers[0].volumeMounts",
+                                       "must not mount the API token"),
+    "read-only root without /tmp": (f"{WORKER}.containers.0.volumeMounts.1.mountPath", "/scratch",
+                                    "spec.workerGroupSpecs[0].template.spec.containers[0].volumeMounts",
+                                    "a read-only root needs a volume at /tmp"),
+    "no ephemeral storage": (f"{WORKER}.containers.0.resources.requests.ephemeral-storage", DELETE,
+                             "spec.workerGroupSpecs[0].template.spec.containers[0].resources.requests",
+                             "ephemeral-storage must be requested"),
 }
 
 
@@ -212,7 +308,59 @@ JOB_MUTATIONS = {
     "kueue not suspended": ("metadata.labels.kueue~x-k8s~io/queue-name", "eft", "spec.suspend",
                             "must be true under Kueue"),
     "misspelled job field": ("spec.backofLimit", 2, "spec.backofLimit", "unknown field"),
+    "default submitter": ("spec.submitterPodTemplate", DELETE, "spec.submitterPodTemplate", "must be set"),
+    "submitter as root": ("spec.submitterPodTemplate.spec.containers.0.securityContext.runAsUser", 0,
+                          "spec.submitterPodTemplate.spec.containers[0].securityContext.runAsUser", "0 runs as root"),
+    "submitter on default account": ("spec.submitterPodTemplate.spec.serviceAccountName", "default",
+                                     "spec.submitterPodTemplate.spec.serviceAccountName", "never 'default'"),
 }
+
+
+FENCE_MUTATIONS = {
+    "policy open to all": ("networkpolicy.yaml", "spec.ingress.1.from", [], "spec.ingress[1].from",
+                           "admits everyone"),
+    "policy by address": ("networkpolicy.yaml", "spec.ingress.1.from.0", {"ipBlock": {"cidr": "0.0.0.0/0"}},
+                          "spec.ingress[1].from[0].ipBlock", "admits addresses"),
+    "clients reach the GCS": ("networkpolicy.yaml", "spec.ingress.1.ports.2", {"protocol": "TCP", "port": 6379},
+                              "spec.ingress[1].ports", "may reach only ports [8265, 10001]"),
+    "policy without ingress": ("networkpolicy.yaml", "spec.policyTypes", ["Egress"], "spec.policyTypes",
+                               "must include Ingress"),
+    "policy misspelled": ("networkpolicy.yaml", "spec.ingres", [], "spec.ingres", "unknown field"),
+    "budget misspelled": ("poddisruptionbudget.yaml", "spec.maxUnavailabel", 0, "spec.maxUnavailabel",
+                          "unknown field"),
+    "service account misspelled": ("serviceaccount.yaml", "automountToken", False, "automountToken",
+                                   "unknown field"),
+    "default service account": ("serviceaccount.yaml", "metadata.name", "default", "metadata.name",
+                                "never run as the 'default' service account"),
+}
+
+
+@pytest.mark.parametrize("case", FENCE_MUTATIONS, ids=list(FENCE_MUTATIONS))
+def test_fence_checks_bite(case, reference, schemas):
+    kind, dotted, value, field, message = FENCE_MUTATIONS[case]
+    docs = dict(reference, **{kind: mutate(reference[kind], dotted, value)})
+    found = violations_of(docs, schemas)
+    assert any(line.startswith(f"{kind}: {field}: ") and message in line for line in found), found
+
+
+@pytest.mark.parametrize("kind", ["networkpolicy.yaml", "poddisruptionbudget.yaml"])
+def test_a_complete_run_needs_its_network_policy_and_head_budget(kind, reference, schemas):
+    docs = {k: v for k, v in reference.items() if k != kind}
+    found = violations_of(docs, schemas)
+    missing = "NetworkPolicy" if kind == "networkpolicy.yaml" else "PodDisruptionBudget"
+    for manifest in ("rayjob.yaml", "raycluster.yaml"):
+        assert f"{manifest}: metadata.labels['eft/run']: run 'llama3-70b-lora' has no {missing} selecting its " \
+               "pods" in found, found
+
+
+def test_kube_names_that_would_collide_are_refused():
+    """A_B and a-b are different runs in storage; normalised they would share one RayJob."""
+    cfg = load_config(REFERENCE)
+    for bad in ("A_B", "llama3.70b", "Llama3-70b", "-lead", "x" * 41):
+        with pytest.raises(ConfigError) as err:
+            kube.build_manifests(cfg.model_copy(update={"name": bad}), "eks-spot", IMAGE)
+        assert str(err.value).startswith(f"name: {bad!r} is not a Kubernetes name") and "\n" not in str(err.value)
+    assert kube.build_kube_name(cfg.model_copy(update={"name": "a-b"})) == "a-b"
 
 
 @pytest.mark.parametrize("case", JOB_MUTATIONS, ids=list(JOB_MUTATIONS))
@@ -271,7 +419,13 @@ def test_cli_renders_and_checks_the_reference(tmp_path):
     out = tmp_path / "m"
     rendered = run_cli(str(REFERENCE), "--overlay", "eks-spot", "--image", IMAGE, "--out", str(out))
     assert rendered.returncode == 0, rendered.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["configmap.yaml", "raycluster.yaml", "rayjob.yaml"]
+    assert sorted(p.name for p in out.iterdir()) == FILES
+    # A tag is not a digest: one warning line, and the render still succeeds.
+    assert rendered.stderr.splitlines() == [f"eft: warning: image {IMAGE!r} is pinned by tag, not digest: a re-pushed "
+                                            "tag changes what new pods run"]
+    pinned = run_cli("--check", str(out))
+    assert pinned.returncode == 0 and pinned.stdout.startswith(f"ok: {len(FILES)} manifest(s)"), pinned
+    assert f"{out}/raycluster.yaml: spec.headGroupSpec.template.spec.containers[0].image: warning: " in pinned.stderr
     # A broken copy next to the good ones: exit 1, one line per violation, manifest and field paths.
     job = yaml.safe_load((out / "rayjob.yaml").read_text())
     job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["replicaz"] = 2
@@ -344,4 +498,4 @@ def test_installed_package_carries_the_crds_and_checks_from_any_directory(tmp_pa
     checked = subprocess.run([sys.executable, "-m", "app.cli", "manifests", "--check", "m"], cwd=elsewhere, env=env,
                              capture_output=True, text=True, timeout=300)
     assert checked.returncode == 0, checked.stdout[-2000:] + checked.stderr[-2000:]
-    assert checked.stdout.strip() == "ok: 3 manifest(s) pass the KubeRay CRD schemas and the policy checks"
+    assert checked.stdout.strip() == f"ok: {len(FILES)} manifest(s) pass the KubeRay CRD schemas and the policy checks"

@@ -11,7 +11,8 @@ from app.kube.render import build_manifests, dump_manifest
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 BASE_CONFIG = REPO_ROOT / "jobs" / "configs" / "tiny-cpu.yaml"
-BASE_IMAGE = "registry.example.com/eft:0.1.0"
+# What the Dockerfile at the repo root builds, pushed to your registry (see jobs/README.md).
+BASE_IMAGE = "registry.example.com/eft:0.1.0-ray2.60.0-gpu"
 KUSTOMIZE_OVERLAYS = ("eks-spot", "gke-spot", "kueue")
 
 

@@ -1,6 +1,9 @@
-"""The rules every manifest must keep beyond its schema (head off spot, drain timing, pinned
-images, no literal credentials...), each Ray manifest checked against the job config it mounts,
-and `render_checked`, which refuses to hand out anything the checks reject."""
+"""The rules every manifest must keep beyond its schema (token auth, non-root hardened
+containers, a dedicated service account, head off spot, drain timing, pinned images, no
+literal credentials...), each Ray manifest checked against the job config it mounts, and
+`render_checked`, which refuses to hand out anything the checks reject.
+
+A finding is `(field, message)` (an error) or `(field, message, WARNING)`."""
 
 from __future__ import annotations
 
@@ -11,9 +14,10 @@ from typing import Any, Iterator, Optional
 import yaml
 
 from app.config import ConfigError, JobConfig, build_config
-from app.kube.render import (CONFIG_MOUNT, DRAIN_ENV, ENTRYPOINT, GPU_RESOURCE, KUEUE_QUEUE_LABEL, SAFE_TO_EVICT,
-                             SPOT_LABELS, build_manifests, check_image)
-from app.kube.schema import Violation, check_schema, format_path, load_schemas
+from app.kube.render import (API_TOKEN_MOUNT, CLIENT_LABEL, CONFIG_MOUNT, DRAIN_ENV, ENTRYPOINT, GPU_RESOURCE,
+                             HEAD_CLIENT_PORTS, KUEUE_QUEUE_LABEL, RUN_LABEL, SAFE_TO_EVICT, SPOT_LABELS, TMP_MOUNT,
+                             build_manifests, check_image, warn_image)
+from app.kube.schema import ERROR, WARNING, Violation, check_schema, format_path, load_schemas
 
 SECRET_NAME = re.compile(r"SECRET|PASSWORD|TOKEN|ACCESS_KEY|API_KEY|CREDENTIAL|PRIVATE_KEY", re.I)
 AWS_KEY_ID = re.compile(r"(?<![A-Z0-9])(AKIA|ASIA)[A-Z0-9]{16}(?![A-Z0-9])")
@@ -90,10 +94,37 @@ def check_head_off_spot(pod_spec: dict, at: str) -> list[tuple[str, str]]:
     return out
 
 
-def check_container(c: dict, at: str) -> list[tuple[str, str]]:
+def check_security_context(c: dict, pod_context: dict, at: str) -> list[tuple]:
+    """The hardening every container keeps: the container's own securityContext, falling back to
+    the pod's for the two fields Kubernetes inherits (runAsNonRoot, seccompProfile)."""
+    ctx = c.get("securityContext") or {}
+    at = f"{at}.securityContext"
+    out = []
+    if ctx.get("runAsNonRoot", pod_context.get("runAsNonRoot")) is not True:
+        out.append((f"{at}.runAsNonRoot", "must be true (containers run as a non-root user)"))
+    if ctx.get("runAsUser", pod_context.get("runAsUser")) == 0:
+        out.append((f"{at}.runAsUser", "0 runs as root"))
+    if ctx.get("privileged") is True:
+        out.append((f"{at}.privileged", "must not be true"))
+    if ctx.get("allowPrivilegeEscalation") is not False:
+        out.append((f"{at}.allowPrivilegeEscalation", "must be false"))
+    if "ALL" not in (get(ctx, "capabilities", "drop", default=[]) or []):
+        out.append((f"{at}.capabilities.drop", 'must drop ["ALL"]'))
+    if get(ctx, "capabilities", "add"):
+        out.append((f"{at}.capabilities.add", "must add no capabilities"))
+    seccomp = get(ctx, "seccompProfile", "type", default=get(pod_context, "seccompProfile", "type"))
+    if seccomp not in ("RuntimeDefault", "Localhost"):
+        out.append((f"{at}.seccompProfile.type", f"{seccomp!r} must be RuntimeDefault (or Localhost)"))
+    return out
+
+
+def check_container(c: dict, at: str, pod_context: dict) -> list[tuple]:
     out = []
     if problem := check_image(c.get("image")):
         out.append((f"{at}.image", problem))
+    elif problem := warn_image(c.get("image")):
+        out.append((f"{at}.image", problem, WARNING))
+    out += check_security_context(c, pod_context, at)
     requests = get(c, "resources", "requests", default={}) or {}
     limits = get(c, "resources", "limits", default={}) or {}
     for res in sorted(set(requests) | set(limits)):
@@ -106,21 +137,40 @@ def check_container(c: dict, at: str) -> list[tuple[str, str]]:
     return out
 
 
-def check_pod(pod: dict, at: str, *, ray: bool) -> list[tuple[str, str]]:
+def check_pod(pod: dict, at: str, *, ray: bool) -> list[tuple]:
     spec = pod.get("spec") or {}
+    pod_context = spec.get("securityContext") or {}
     out = []
+    account = spec.get("serviceAccountName") or spec.get("serviceAccount")
+    if account in (None, "", "default"):
+        out.append((f"{at}.spec.serviceAccountName", f"{account or 'unset'}: pods run as a dedicated service "
+                                                     f"account, never 'default'"))
+    if spec.get("automountServiceAccountToken") is not False:
+        out.append((f"{at}.spec.automountServiceAccountToken", "must be false (only the autoscaler gets an API "
+                                                               "token, through its own mount)"))
+    if spec.get("hostNetwork") or spec.get("hostPID") or spec.get("hostIPC"):
+        out.append((f"{at}.spec", "must not share the host's network, PID or IPC namespace"))
     containers = spec.get("containers") or []
     for i, c in enumerate(containers):
-        out += check_container(c, f"{at}.spec.containers[{i}]")
+        out += check_container(c, f"{at}.spec.containers[{i}]", pod_context)
     for i, c in enumerate(spec.get("initContainers") or []):
-        out += check_container(c, f"{at}.spec.initContainers[{i}]")
+        out += check_container(c, f"{at}.spec.initContainers[{i}]", pod_context)
     if not ray or not containers:
         return out
     main = containers[0]
+    mounts = {m.get("mountPath"): m.get("name") for m in main.get("volumeMounts") or []}
     shm_volumes = {v.get("name") for v in spec.get("volumes") or [] if get(v, "emptyDir", "medium") == "Memory"}
-    if not any(m.get("mountPath") == "/dev/shm" and m.get("name") in shm_volumes for m in main.get("volumeMounts")
-               or []):
+    if mounts.get("/dev/shm") not in shm_volumes:
         out.append((f"{at}.spec.volumes", "/dev/shm must be a memory emptyDir mounted in the Ray container"))
+    if get(main, "securityContext", "readOnlyRootFilesystem") is True and TMP_MOUNT not in mounts:
+        out.append((f"{at}.spec.containers[0].volumeMounts", f"a read-only root needs a volume at {TMP_MOUNT} "
+                                                             "(Ray writes its session dir and logs there)"))
+    if API_TOKEN_MOUNT in mounts:
+        out.append((f"{at}.spec.containers[0].volumeMounts", f"the Ray container must not mount the API token "
+                                                             f"({API_TOKEN_MOUNT}); only the autoscaler does"))
+    if "ephemeral-storage" not in (get(main, "resources", "requests", default={}) or {}):
+        out.append((f"{at}.spec.containers[0].resources.requests", "ephemeral-storage must be requested "
+                                                                   "(the model cache and Ray's logs)"))
     drain = next((e.get("value") for e in main.get("env") or [] if e.get("name") == DRAIN_ENV), None)
     grace = spec.get("terminationGracePeriodSeconds")
     if drain is None or not str(drain).isdigit():
@@ -131,8 +181,11 @@ def check_pod(pod: dict, at: str, *, ray: bool) -> list[tuple[str, str]]:
     return out
 
 
-def check_cluster_spec(spec: dict, at: str) -> list[tuple[str, str]]:
+def check_cluster_spec(spec: dict, at: str) -> list[tuple]:
     out = []
+    if get(spec, "authOptions", "mode") != "token":
+        out.append((f"{at}.authOptions.mode", f"{get(spec, 'authOptions', 'mode')!r} must be 'token' (anyone who "
+                                              "reaches the head could otherwise run code as the pods)"))
     head = get(spec, "headGroupSpec", default={}) or {}
     if get(head, "rayStartParams", "num-cpus") != "0":
         out.append((f"{at}.headGroupSpec.rayStartParams", 'num-cpus must be "0" (no work on the head)'))
@@ -148,9 +201,13 @@ def check_cluster_spec(spec: dict, at: str) -> list[tuple[str, str]]:
     if not isinstance(get(spec, "autoscalerOptions", "idleTimeoutSeconds"), int) or \
             get(spec, "autoscalerOptions", "idleTimeoutSeconds") <= 0:
         out.append((f"{at}.autoscalerOptions.idleTimeoutSeconds", "an idle timeout must be set"))
-    autoscaler_image = get(spec, "autoscalerOptions", "image")
+    autoscaler = spec.get("autoscalerOptions") or {}
+    autoscaler_image = autoscaler.get("image")
     if autoscaler_image and (problem := check_image(autoscaler_image)):
         out.append((f"{at}.autoscalerOptions.image", problem))
+    if spec.get("enableInTreeAutoscaling") is True:
+        out += check_security_context(autoscaler, get(head_tpl, "spec", "securityContext", default={}) or {},
+                                      f"{at}.autoscalerOptions")
     groups = spec.get("workerGroupSpecs") or []
     if not groups:
         out.append((f"{at}.workerGroupSpecs", "at least one worker group is needed"))
@@ -169,7 +226,7 @@ def check_cluster_spec(spec: dict, at: str) -> list[tuple[str, str]]:
     return out
 
 
-def check_ray_job(doc: dict) -> list[tuple[str, str]]:
+def check_ray_job(doc: dict) -> list[tuple]:
     spec = doc.get("spec") or {}
     out = []
     if not str(spec.get("entrypoint", "")).startswith(ENTRYPOINT):
@@ -193,19 +250,54 @@ def check_ray_job(doc: dict) -> list[tuple[str, str]]:
                         f"the job config must be mounted at {CONFIG_MOUNT}"))
     if KUEUE_QUEUE_LABEL in (get(doc, "metadata", "labels", default={}) or {}) and spec.get("suspend") is not True:
         out.append(("spec.suspend", "must be true under Kueue (it unsuspends the job on admission)"))
-    if spec.get("submitterPodTemplate"):
-        out += check_pod(spec["submitterPodTemplate"], "spec.submitterPodTemplate", ray=False)
+    if spec.get("submissionMode", "K8sJobMode") == "K8sJobMode":
+        # Left out, KubeRay's default submitter runs as root under the `default` account.
+        if not spec.get("submitterPodTemplate"):
+            out.append(("spec.submitterPodTemplate", "must be set (the default submitter pod is not hardened)"))
+        else:
+            out += check_pod(spec["submitterPodTemplate"], "spec.submitterPodTemplate", ray=False)
     return out
 
 
-def check_policy(doc: dict) -> list[tuple[str, str]]:
+def check_network_policy(doc: dict) -> list[tuple]:
+    """Ingress only: each rule names its peers (no rule open to all), no ipBlock, and a peer
+    outside the run reaches only the head's client ports."""
+    spec = doc.get("spec") or {}
+    out = []
+    if "Ingress" not in (spec.get("policyTypes") or []):
+        out.append(("spec.policyTypes", "must include Ingress"))
+    if not get(spec, "podSelector", "matchLabels", RUN_LABEL):
+        out.append(("spec.podSelector.matchLabels", f"must select the run's pods by {RUN_LABEL}"))
+    run = get(spec, "podSelector", "matchLabels", RUN_LABEL)
+    allowed_ports = set(HEAD_CLIENT_PORTS.values())
+    for i, rule in enumerate(spec.get("ingress") or []):
+        peers = rule.get("from") or []
+        if not peers:
+            out.append((f"spec.ingress[{i}].from", "an ingress rule without peers admits everyone"))
+        for j, peer in enumerate(peers):
+            if "ipBlock" in peer:
+                out.append((f"spec.ingress[{i}].from[{j}].ipBlock", "ipBlock admits addresses, not the run's pods"))
+            own = get(peer, "podSelector", "matchLabels", RUN_LABEL) == run and "namespaceSelector" not in peer
+            ports = {p.get("port") for p in rule.get("ports") or []}
+            if not own and (not ports or not ports <= allowed_ports):
+                out.append((f"spec.ingress[{i}].ports", f"pods outside the run may reach only ports "
+                                                        f"{sorted(allowed_ports)}"))
+    return out
+
+
+def check_policy(doc: dict) -> list[tuple]:
     out = [(format_path(path), "looks like a literal AWS access key id; use a service account or a secretKeyRef")
            for path, text in iter_strings(doc) if AWS_KEY_ID.search(text)]
     if doc.get("kind") == "RayCluster":
         out += check_cluster_spec(doc.get("spec") or {}, "spec")
     elif doc.get("kind") == "RayJob":
         out += check_ray_job(doc)
+    elif doc.get("kind") == "NetworkPolicy":
+        out += check_network_policy(doc)
+    elif doc.get("kind") == "ServiceAccount" and get(doc, "metadata", "name") == "default":
+        out.append(("metadata.name", "eft's pods never run as the 'default' service account"))
     return out
+
 
 
 def parse_config_map_job(doc: dict, manifest: str) -> tuple[Optional[JobConfig], list[Violation]]:
@@ -234,16 +326,26 @@ def check_against_config(doc: dict, cfg: JobConfig, at: str) -> list[tuple[str, 
     return out
 
 
+def check_run_is_fenced(docs: list[tuple[str, Any]], run: str) -> list[str]:
+    """What a complete run (its ConfigMap is among the documents) lacks: a NetworkPolicy over its
+    pods and a disruption budget for its head."""
+    kinds = {(d.get("kind"), get(d, "spec", "podSelector" if d.get("kind") == "NetworkPolicy" else "selector",
+                                  "matchLabels", RUN_LABEL))
+             for _, d in docs if isinstance(d, dict)}
+    return [kind for kind in ("NetworkPolicy", "PodDisruptionBudget") if (kind, run) not in kinds]
+
+
 def check_documents(docs: list[tuple[str, Any]], schemas: dict) -> list[Violation]:
     """Schema + policy for each (manifest label, document), then each Ray manifest against the
-    job config of the ConfigMap it mounts, when that ConfigMap is among the documents."""
+    job config of the ConfigMap it mounts, when that ConfigMap is among the documents (and then
+    the run must also carry its NetworkPolicy and head PodDisruptionBudget)."""
     out: list[Violation] = []
     configs: dict[str, JobConfig] = {}
     for manifest, doc in docs:
         out += check_schema(doc, schemas, manifest)
         if not isinstance(doc, dict):
             continue
-        out += [Violation(manifest, f, m) for f, m in check_policy(doc)]
+        out += [Violation(manifest, *finding) for finding in check_policy(doc)]
         if doc.get("kind") == "ConfigMap":
             cfg, bad = parse_config_map_job(doc, manifest)
             out += bad
@@ -258,7 +360,15 @@ def check_documents(docs: list[tuple[str, Any]], schemas: dict) -> list[Violatio
             cfg = configs.get(get(volume, "configMap", "name", default=None))
             if cfg is not None:
                 out += [Violation(manifest, f, m) for f, m in check_against_config(doc, cfg, at)]
+                run = get(doc, "metadata", "labels", RUN_LABEL, default="")
+                out += [Violation(manifest, f"metadata.labels[{RUN_LABEL!r}]", f"run {run!r} has no {kind} "
+                                                                                f"selecting its pods")
+                        for kind in check_run_is_fenced(docs, run)]
     return out
+
+
+def errors_of(violations: list[Violation]) -> list[Violation]:
+    return [v for v in violations if v.severity == ERROR]
 
 
 def load_documents(target: str | Path) -> list[tuple[str, Any]]:
@@ -297,10 +407,10 @@ def check_path(target: str | Path, crd_dir: str | Path | None = None) -> tuple[i
 
 
 def render_checked(cfg: JobConfig, overlay: Optional[str], image: Optional[str], node_type: Optional[str],
-                   crd_dir: str | Path | None = None) -> dict[str, dict]:
-    """build_manifests, refusing to hand out anything the validator would reject."""
+                   crd_dir: str | Path | None = None) -> tuple[dict[str, dict], list[Violation]]:
+    """build_manifests, refusing to hand out anything the validator rejects; (manifests, warnings)."""
     manifests = build_manifests(cfg, overlay, image, node_type)
     problems = check_documents(list(manifests.items()), load_schemas(crd_dir))
-    if problems:
-        raise ValueError(f"rendered manifests fail validation: {problems[0]}")
-    return manifests
+    if errors := errors_of(problems):
+        raise ValueError(f"rendered manifests fail validation: {errors[0]}")
+    return manifests, problems

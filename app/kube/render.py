@@ -3,8 +3,19 @@
 `build_manifests` turns a `JobConfig` into a ConfigMap (the resolved job.yaml), a RayJob that
 creates its own cluster and runs `eft train /config/job.yaml`, and a standing RayCluster for
 interactive `ray job submit` (created suspended, so applying a directory starts one cluster,
-not two). The job config is the one source of truth: worker group sizes, GPUs, the run name
-and the storage URI all come from it.
+not two), plus what keeps them private: the run's ServiceAccount, a NetworkPolicy and a
+PodDisruptionBudget for the head. The job config is the one source of truth: worker group
+sizes, GPUs, the run name and the storage URI all come from it.
+
+Hardening, in one place so the README and the policy check can name it:
+- Ray token auth (`authOptions.mode: token`): KubeRay creates a Secret named after the
+  RayCluster with a random `auth_token` and sets RAY_AUTH_MODE / RAY_AUTH_TOKEN on every Ray
+  container, the autoscaler, the wait-gcs-ready init container and the RayJob submitter.
+- Every container runs as the image's non-root `ray` user with no privilege escalation, no
+  capabilities, the RuntimeDefault seccomp profile and a read-only root filesystem; what Ray
+  and the libraries under it write goes to emptyDirs (/tmp, the cache dir, /dev/shm).
+- Pods run as the overlay's dedicated ServiceAccount with no API token; only the head's
+  autoscaler sidecar gets one (a projected token mounted into that container alone).
 """
 
 from __future__ import annotations
@@ -33,6 +44,29 @@ SPOT_LABELS = {
     "cloud.google.com/gke-spot": "true",
 }
 ONE_DAY_S = 24 * 3600
+# The image's non-root user: uid 1000 (`ray`) in the rayproject/ray images the Dockerfile builds on.
+RAY_UID = 1000
+RAY_GID = 100
+# Label a pod with this to let it reach the head's dashboard and client ports (ray job submit,
+# ray.init("ray://...")); everything else outside the run is refused by the NetworkPolicy.
+CLIENT_LABEL = "eft/ray-client"
+RUN_LABEL = "eft/run"
+OPERATOR_LABELS = {"app.kubernetes.io/name": "kuberay-operator"}  # the KubeRay Helm chart's pod label
+HEAD_CLIENT_PORTS = {"dashboard": 8265, "client": 10001}
+# Ray writes its session dir, logs and spilled objects under /tmp/ray, and eft caches the base
+# model under the temp dir; libraries cache under XDG_CACHE_HOME and a few private dirs. With a
+# read-only root these are emptyDirs, and the environment points every cache at CACHE_MOUNT.
+TMP_MOUNT = "/tmp"
+CACHE_MOUNT = "/cache"
+CACHE_ENV = {"XDG_CACHE_HOME": CACHE_MOUNT, "HF_HOME": f"{CACHE_MOUNT}/huggingface",
+             "TRITON_CACHE_DIR": f"{CACHE_MOUNT}/triton", "CUDA_CACHE_PATH": f"{CACHE_MOUNT}/nv",
+             "MPLCONFIGDIR": f"{CACHE_MOUNT}/matplotlib"}
+API_TOKEN_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+API_TOKEN_VOLUME = "kube-api-token"
+# Ephemeral storage beyond the model cache: Ray's session logs, the container's writable layer
+# (none: the root is read-only) and the kubelet's container logs.
+EPHEMERAL_OVERHEAD_GIB = 10
+HEAD_EPHEMERAL_GIB = 20
 
 
 @dataclass(frozen=True)
@@ -44,6 +78,16 @@ class NodeType:
     # What a pod may request on the node: allocatable minus kubelet, system and DaemonSet reserve.
     cpus: int
     memory_gib: int
+
+    @property
+    def model_cache_gib(self) -> int:
+        """Local disk for the cached base model: the node's combined GPU memory. A frozen bf16
+        base the run trains is at most what the GPUs of a few nodes hold sharded, and one node's
+        GPU memory is a generous bound that still schedules on the usual root volumes (a 70B
+        bf16 base is ~140 GB; a p4d holds 320 GB). CPU nodes cache tiny models: 10 GiB."""
+        if not self.gpus:
+            return 10
+        return self.gpus * int(re.search(r"(\d+)GB", self.gpu).group(1))
 
 
 NODE_TYPES = {n.name: n for n in [
@@ -71,14 +115,16 @@ class Overlay:
     # AWS gives a 2-minute spot notice, GKE about 30 s: the drain must end before the kill.
     drain_timeout_s: int
     grace_period_s: int
-    service_account: Optional[str] = None
+    # Never `default`: the cloud role (IRSA, Pod Identity, Workload Identity) binds to this name,
+    # and KubeRay binds the autoscaler's Role to the head's service account.
+    service_account: str = "eft"
     queue: Optional[str] = None
 
 
 OVERLAYS = {o.name: o for o in [
     Overlay("base", None, False, "p4d.24xlarge", "m6i.2xlarge", 90, 120),
-    Overlay("eks-spot", "aws", True, "p4d.24xlarge", "m6i.2xlarge", 90, 110, service_account="eft"),
-    Overlay("gke-spot", "gcp", True, "a3-highgpu-8g", "n2-standard-8", 15, 25, service_account="eft"),
+    Overlay("eks-spot", "aws", True, "p4d.24xlarge", "m6i.2xlarge", 90, 110),
+    Overlay("gke-spot", "gcp", True, "a3-highgpu-8g", "n2-standard-8", 15, 25),
     Overlay("kueue", None, False, "p4d.24xlarge", "m6i.2xlarge", 90, 120, queue="eft"),
 ]}
 
@@ -116,7 +162,8 @@ def resolve_node_type(cfg: JobConfig, overlay: Overlay, node_type: Optional[str]
 
 
 def check_image(image: Optional[str]) -> Optional[str]:
-    """Why an image reference is not pinned, or None. A digest pins; so does any tag but latest."""
+    """Why an image reference is not pinned at all, or None. A digest pins; so does any tag but
+    latest (a tag can still be re-pushed: `warn_image` says so)."""
     if not image:
         return "image missing"
     if "@sha256:" in image:
@@ -126,6 +173,13 @@ def check_image(image: Optional[str]) -> Optional[str]:
         return f"image {image!r} is not pinned by tag"
     if last.rsplit(":", 1)[1] == "latest":
         return f"image {image!r} uses the moving tag 'latest'"
+    return None
+
+
+def warn_image(image: Optional[str]) -> Optional[str]:
+    """Why a pinned image could still change under a running cluster, or None."""
+    if image and "@sha256:" not in image and check_image(image) is None:
+        return f"image {image!r} is pinned by tag, not digest: a re-pushed tag changes what new pods run"
     return None
 
 
@@ -164,10 +218,15 @@ def plan_placement(cfg: JobConfig, node: NodeType) -> Placement:
 
 
 def build_kube_name(cfg: JobConfig) -> str:
-    name = re.sub(r"[^a-z0-9-]", "-", cfg.name.lower()).strip("-")
+    """The run name, used as is. It is also the run's S3 prefix, so rewriting it (A_B -> a-b)
+    would let two runs with different storage share one RayJob, ConfigMap and auth Secret:
+    a name that is not already a Kubernetes name is refused instead."""
+    name = cfg.name
     # KubeRay derives Service names (<name>-head-svc, RayJob suffixes) that must stay under 63.
-    if not name or len(name) > 40:
-        raise ConfigError(f"name: {cfg.name!r} must give a Kubernetes name of 1..40 characters")
+    if not re.fullmatch(r"[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?", name):
+        raise ConfigError(f"name: {name!r} is not a Kubernetes name (1..40 lowercase letters, digits or '-', "
+                          f"starting and ending with a letter or digit); eft does not rewrite it because the "
+                          f"run name is also the run's storage prefix")
     return name
 
 
@@ -199,6 +258,7 @@ def build_env(cfg: JobConfig, overlay: Overlay) -> list[dict]:
     env = [{"name": DRAIN_ENV, "value": str(overlay.drain_timeout_s)},
            {"name": "AWS_DEFAULT_REGION", "value": cfg.storage.s3_region},
            {"name": "RAY_USAGE_STATS_ENABLED", "value": "0"}]
+    env += [{"name": key, "value": value} for key, value in CACHE_ENV.items()]
     if overlay.provider == "gcp":
         # The app speaks S3; on GKE that is GCS's S3 API with HMAC keys kept in a Secret.
         env += [{"name": key, "valueFrom": {"secretKeyRef": {"name": "eft-s3-hmac", "key": key, "optional": True}}}
@@ -208,12 +268,40 @@ def build_env(cfg: JobConfig, overlay: Overlay) -> list[dict]:
     return env
 
 
-def build_resources(cpus: int, memory_gib: int, gpus: int) -> dict:
+def build_resources(cpus: int, memory_gib: int, gpus: int, ephemeral_gib: int) -> dict:
     # requests == limits: Guaranteed QoS, and the device plugin demands equal GPU counts anyway.
     amounts = {"cpu": str(cpus), "memory": f"{memory_gib}Gi"}
     if gpus:
         amounts[GPU_RESOURCE] = str(gpus)
-    return {"requests": dict(amounts), "limits": dict(amounts)}
+    # Disk is requested (so the scheduler places the model cache) but not limited: a limit evicts
+    # the pod mid-run when a cache or Ray's logs outgrow a guess.
+    return {"requests": dict(amounts, **{"ephemeral-storage": f"{ephemeral_gib}Gi"}), "limits": dict(amounts)}
+
+
+def build_security_context() -> dict:
+    """The container securityContext every pod keeps (the policy check requires each field)."""
+    return {"runAsNonRoot": True, "runAsUser": RAY_UID, "runAsGroup": RAY_GID,
+            "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def build_pod_security_context() -> dict:
+    # fsGroup: the emptyDirs and the projected token are group-readable by the ray user.
+    return {"runAsNonRoot": True, "runAsUser": RAY_UID, "runAsGroup": RAY_GID, "fsGroup": RAY_GID,
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def build_api_token_volume() -> dict:
+    """What the kubelet would automount (token, CA, namespace), as a volume the head pod mounts
+    into the autoscaler sidecar only, so a Ray job on the head holds no Kubernetes credentials."""
+    return {"name": API_TOKEN_VOLUME, "projected": {"defaultMode": 0o440, "sources": [
+        {"serviceAccountToken": {"path": "token", "expirationSeconds": 3607}},
+        {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+        {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {"fieldPath": "metadata.namespace"}}]}}]}}
+
+
+def build_labels(name: str) -> dict:
+    return {"app.kubernetes.io/name": "eft", RUN_LABEL: name}
 
 
 def build_pod_template(cfg: JobConfig, overlay: Overlay, image: str, *, head: bool, resources: dict,
@@ -224,23 +312,32 @@ def build_pod_template(cfg: JobConfig, overlay: Overlay, image: str, *, head: bo
         "imagePullPolicy": "IfNotPresent",
         "env": build_env(cfg, overlay),
         "resources": resources,
+        "securityContext": build_security_context(),
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"},
+                         {"name": "tmp", "mountPath": TMP_MOUNT},
+                         {"name": "cache", "mountPath": CACHE_MOUNT},
                          {"name": "job-config", "mountPath": CONFIG_MOUNT, "readOnly": True}],
     }
     if head:
         container["ports"] = [{"name": "gcs", "containerPort": 6379}, {"name": "dashboard", "containerPort": 8265},
                               {"name": "client", "containerPort": 10001}]
+    volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{shm_gib}Gi"}},
+               {"name": "tmp", "emptyDir": {}},
+               {"name": "cache", "emptyDir": {}},
+               {"name": "job-config", "configMap": {"name": config_map}}]
+    if head:
+        volumes.append(build_api_token_volume())
     spec = {
+        "serviceAccountName": overlay.service_account,
+        "automountServiceAccountToken": False,
+        "securityContext": build_pod_security_context(),
         "terminationGracePeriodSeconds": overlay.grace_period_s,
         "containers": [container],
-        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{shm_gib}Gi"}},
-                    {"name": "job-config", "configMap": {"name": config_map}}],
+        "volumes": volumes,
         **extra,
     }
-    if overlay.service_account:
-        spec["serviceAccountName"] = overlay.service_account
     annotations = {SAFE_TO_EVICT: "false", "karpenter.sh/do-not-disrupt": "true"} if head else {}
-    meta = {"labels": {"app.kubernetes.io/name": "eft", "eft/run": build_kube_name(cfg)}}
+    meta = {"labels": build_labels(build_kube_name(cfg))}
     if annotations:
         meta["annotations"] = annotations
     return {"metadata": meta, "spec": spec}
@@ -248,7 +345,7 @@ def build_pod_template(cfg: JobConfig, overlay: Overlay, image: str, *, head: bo
 
 def build_cluster_spec(cfg: JobConfig, overlay: Overlay, image: str, place: Placement) -> dict:
     config_map = f"{build_kube_name(cfg)}-config"
-    head = build_pod_template(cfg, overlay, image, head=True, resources=build_resources(4, 16, 0),
+    head = build_pod_template(cfg, overlay, image, head=True, resources=build_resources(4, 16, 0, HEAD_EPHEMERAL_GIB),
                               config_map=config_map, shm_gib=4, extra={"affinity": build_head_affinity()})
     extra: dict[str, Any] = {"restartPolicy": "Never"}  # autoscaler v2 replaces failed worker pods itself
     tolerations = []
@@ -261,14 +358,24 @@ def build_cluster_spec(cfg: JobConfig, overlay: Overlay, image: str, place: Plac
         extra["tolerations"] = tolerations
     if overlay.name != "base":
         extra["nodeSelector"] = {"node.kubernetes.io/instance-type": place.node.name}
+    ephemeral = place.node.model_cache_gib + EPHEMERAL_OVERHEAD_GIB
     worker = build_pod_template(cfg, overlay, image, head=False,
-                                resources=build_resources(place.pod_cpus, place.pod_memory_gib, place.pod_gpus),
+                                resources=build_resources(place.pod_cpus, place.pod_memory_gib, place.pod_gpus,
+                                                          ephemeral),
                                 config_map=config_map, shm_gib=max(1, place.pod_memory_gib // 3), extra=extra)
     group = "gpu-workers" if place.pod_gpus else "cpu-workers"
     return {
         "rayVersion": RAY_VERSION,
+        "authOptions": {"mode": "token"},
         "enableInTreeAutoscaling": True,
-        "autoscalerOptions": {"version": "v2", "idleTimeoutSeconds": 120, "upscalingMode": "Default"},
+        "autoscalerOptions": {
+            "version": "v2", "idleTimeoutSeconds": 120, "upscalingMode": "Default",
+            "securityContext": build_security_context(),
+            "volumeMounts": [{"name": "tmp", "mountPath": TMP_MOUNT},
+                             {"name": API_TOKEN_VOLUME, "mountPath": API_TOKEN_MOUNT, "readOnly": True}],
+        },
+        # 0.0.0.0: the dashboard must answer on the pod IP for the head Service, the KubeRay
+        # operator and the submitter; token auth and the NetworkPolicy decide who gets in.
         "headGroupSpec": {"rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0"}, "template": head},
         "workerGroupSpecs": [{
             "groupName": group,
@@ -281,6 +388,55 @@ def build_cluster_spec(cfg: JobConfig, overlay: Overlay, image: str, place: Plac
     }
 
 
+def build_submitter_template(name: str, overlay: Overlay, image: str) -> dict:
+    """The K8sJobMode submitter pod (`ray job submit` against the head), hardened like the Ray
+    pods; KubeRay fills in its command and the auth token. The run label lets it through the
+    NetworkPolicy."""
+    container = {"name": "ray-job-submitter", "image": image, "imagePullPolicy": "IfNotPresent",
+                 "securityContext": build_security_context(),
+                 "env": [{"name": "HOME", "value": TMP_MOUNT}],
+                 "volumeMounts": [{"name": "tmp", "mountPath": TMP_MOUNT}],
+                 "resources": {"requests": {"cpu": "500m", "memory": "512Mi", "ephemeral-storage": "1Gi"},
+                               "limits": {"cpu": "1", "memory": "1Gi"}}}
+    return {"metadata": {"labels": build_labels(name)},
+            "spec": {"serviceAccountName": overlay.service_account, "automountServiceAccountToken": False,
+                     "securityContext": build_pod_security_context(), "restartPolicy": "Never",
+                     "containers": [container], "volumes": [{"name": "tmp", "emptyDir": {}}]}}
+
+
+def build_network_policy(name: str) -> dict:
+    """Ingress to the run's pods only from the run's own pods (any port: GCS, raylets, object
+    managers, Ray workers and NCCL between workers all use ports Ray picks), from pods labelled
+    CLIENT_LABEL to the head's dashboard and client ports, and from the KubeRay operator to the
+    dashboard (it polls the job's status there). Egress stays open: S3 and the model hub."""
+    run = {"podSelector": {"matchLabels": {RUN_LABEL: name}}}
+    head_ports = [{"protocol": "TCP", "port": port} for port in HEAD_CLIENT_PORTS.values()]
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": {"name": f"{name}-ray", "labels": build_labels(name)},
+            "spec": {"podSelector": {"matchLabels": {RUN_LABEL: name}}, "policyTypes": ["Ingress"],
+                     "ingress": [
+                         {"from": [run]},
+                         {"from": [{"podSelector": {"matchLabels": {CLIENT_LABEL: "true"}}}], "ports": head_ports},
+                         {"from": [{"namespaceSelector": {}, "podSelector": {"matchLabels": dict(OPERATOR_LABELS)}}],
+                          "ports": [{"protocol": "TCP", "port": HEAD_CLIENT_PORTS["dashboard"]}]}]}}
+
+
+def build_head_disruption_budget(name: str) -> dict:
+    # maxUnavailable 0, not minAvailable 1: the RayJob's head and the standing cluster's head both
+    # match, and neither may be drained (a lost head ends the run's cluster).
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+            "metadata": {"name": f"{name}-head", "labels": build_labels(name)},
+            "spec": {"maxUnavailable": 0,
+                     "selector": {"matchLabels": {RUN_LABEL: name, "ray.io/node-type": "head"}}}}
+
+
+def build_service_account(name: str, overlay: Overlay) -> dict:
+    # No token for whoever uses it, by default; the head mounts one into the autoscaler only.
+    return {"apiVersion": "v1", "kind": "ServiceAccount",
+            "metadata": {"name": overlay.service_account, "labels": {"app.kubernetes.io/name": "eft"}},
+            "automountServiceAccountToken": False}
+
+
 def build_manifests(cfg: JobConfig, overlay_name: Optional[str], image: Optional[str],
                     node_type: Optional[str] = None) -> dict[str, dict]:
     """file name → manifest. Raises ConfigError (one line, naming the field) if it cannot be placed."""
@@ -291,7 +447,7 @@ def build_manifests(cfg: JobConfig, overlay_name: Optional[str], image: Optional
         raise ConfigError(f"--image: {problem}")
     place = plan_placement(cfg, resolve_node_type(cfg, overlay, node_type))
     name = build_kube_name(cfg)
-    labels = {"app.kubernetes.io/name": "eft", "eft/run": name}
+    labels = build_labels(name)
     annotations = {"eft/run-uri": cfg.run_uri}
     config_map = {"apiVersion": "v1", "kind": "ConfigMap",
                   "metadata": {"name": f"{name}-config", "labels": labels},
@@ -306,6 +462,7 @@ def build_manifests(cfg: JobConfig, overlay_name: Optional[str], image: Optional
         "backoffLimit": 3,
         "activeDeadlineSeconds": 3 * ONE_DAY_S,
         "rayClusterSpec": build_cluster_spec(cfg, overlay, image, place),
+        "submitterPodTemplate": build_submitter_template(name, overlay, image),
     }
     if overlay.queue:
         job_spec["suspend"] = True  # Kueue admits the whole gang, then unsuspends
@@ -315,7 +472,10 @@ def build_manifests(cfg: JobConfig, overlay_name: Optional[str], image: Optional
     cluster_spec["suspend"] = True  # a standing cluster for `ray job submit`; resume it by hand
     ray_cluster = {"apiVersion": "ray.io/v1", "kind": "RayCluster",
                    "metadata": {"name": name, "labels": labels, "annotations": annotations}, "spec": cluster_spec}
-    return {"configmap.yaml": config_map, "rayjob.yaml": ray_job, "raycluster.yaml": ray_cluster}
+    return {"configmap.yaml": config_map, "rayjob.yaml": ray_job, "raycluster.yaml": ray_cluster,
+            "serviceaccount.yaml": build_service_account(name, overlay),
+            "networkpolicy.yaml": build_network_policy(name),
+            "poddisruptionbudget.yaml": build_head_disruption_budget(name)}
 
 
 def dump_manifest(doc: dict) -> str:

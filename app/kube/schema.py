@@ -21,14 +21,21 @@ CRD_FILES = ("ray.io_rayclusters.yaml", "ray.io_rayjobs.yaml")
 
 
 
+ERROR = "error"
+WARNING = "warning"
+
+
 @dataclass(frozen=True)
 class Violation:
     manifest: str
     field: str
     message: str
+    # Errors fail `eft manifests` and `--check`; warnings are printed and pass.
+    severity: str = ERROR
 
     def __str__(self) -> str:
-        return f"{self.manifest}: {self.field}: {self.message}"
+        note = "warning: " if self.severity == WARNING else ""
+        return f"{self.manifest}: {self.field}: {note}{self.message}"
 
 
 # Top-level ObjectMeta is validated by the API server itself, not by the CRD; these are its
@@ -40,6 +47,50 @@ OBJECT_META = {"type": "object", "additionalProperties": False, "properties": {
     "finalizers": {"type": "array", "items": {"type": "string"}},
     "ownerReferences": {"type": "array", "items": {"type": "object"}},
 }}
+STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
+LABEL_SELECTOR = {"type": "object", "additionalProperties": False, "properties": {
+    "matchLabels": STRING_MAP,
+    "matchExpressions": {"type": "array", "items": {
+        "type": "object", "additionalProperties": False, "required": ["key", "operator"], "properties": {
+            "key": {"type": "string"}, "operator": {"enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
+            "values": {"type": "array", "items": {"type": "string"}}}}}}}
+INT_OR_STRING = {"anyOf": [{"type": "integer"}, {"type": "string"}]}
+
+
+def builtin_schema(api_version: str, kind: str, **fields) -> dict:
+    """A core kind the KubeRay CRDs do not describe, with only the fields eft renders (plus the
+    obvious ones) and unknown fields as errors."""
+    return {"type": "object", "additionalProperties": False, "required": ["apiVersion", "kind", "metadata"],
+            "properties": {"apiVersion": {"enum": [api_version]}, "kind": {"enum": [kind]}, "metadata": OBJECT_META,
+                           **fields}}
+
+
+SERVICE_ACCOUNT_SCHEMA = builtin_schema(
+    "v1", "ServiceAccount", automountServiceAccountToken={"type": "boolean"},
+    imagePullSecrets={"type": "array", "items": {"type": "object", "additionalProperties": False,
+                                                 "properties": {"name": {"type": "string"}}}})
+NETWORK_POLICY_PEER = {"type": "object", "additionalProperties": False, "properties": {
+    "podSelector": LABEL_SELECTOR, "namespaceSelector": LABEL_SELECTOR,
+    "ipBlock": {"type": "object", "additionalProperties": False, "required": ["cidr"], "properties": {
+        "cidr": {"type": "string"}, "except": {"type": "array", "items": {"type": "string"}}}}}}
+NETWORK_POLICY_PORT = {"type": "object", "additionalProperties": False, "properties": {
+    "protocol": {"enum": ["TCP", "UDP", "SCTP"]}, "port": INT_OR_STRING, "endPort": {"type": "integer"}}}
+NETWORK_POLICY_SCHEMA = builtin_schema("networking.k8s.io/v1", "NetworkPolicy", spec={
+    "type": "object", "additionalProperties": False, "required": ["podSelector"], "properties": {
+        "podSelector": LABEL_SELECTOR,
+        "policyTypes": {"type": "array", "items": {"enum": ["Ingress", "Egress"]}},
+        "ingress": {"type": "array", "items": {"type": "object", "additionalProperties": False, "properties": {
+            "from": {"type": "array", "items": NETWORK_POLICY_PEER},
+            "ports": {"type": "array", "items": NETWORK_POLICY_PORT}}}},
+        "egress": {"type": "array", "items": {"type": "object", "additionalProperties": False, "properties": {
+            "to": {"type": "array", "items": NETWORK_POLICY_PEER},
+            "ports": {"type": "array", "items": NETWORK_POLICY_PORT}}}}}})
+NETWORK_POLICY_SCHEMA["required"].append("spec")
+PDB_SCHEMA = builtin_schema("policy/v1", "PodDisruptionBudget", spec={
+    "type": "object", "additionalProperties": False, "required": ["selector"], "properties": {
+        "selector": LABEL_SELECTOR, "minAvailable": INT_OR_STRING, "maxUnavailable": INT_OR_STRING,
+        "unhealthyPodEvictionPolicy": {"enum": ["IfHealthyBudget", "AlwaysAllow"]}}})
+PDB_SCHEMA["required"].append("spec")
 CONFIG_MAP_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["apiVersion", "kind", "metadata"],
                      "properties": {
                          "apiVersion": {"enum": ["v1"]}, "kind": {"enum": ["ConfigMap"]}, "metadata": OBJECT_META,
@@ -73,7 +124,8 @@ def strict_schema(node: Any) -> Any:
 
 
 def load_schemas(crd_dir: str | Path | None = None) -> dict[tuple[str, str], dict]:
-    """(apiVersion, kind) → strict JSON Schema, from the KubeRay CRDs plus a built-in ConfigMap."""
+    """(apiVersion, kind) → strict JSON Schema, from the KubeRay CRDs plus built-in ConfigMap,
+    ServiceAccount, NetworkPolicy and PodDisruptionBudget schemas."""
     return _load_schemas(Path(crd_dir or DEFAULT_CRD_DIR).resolve())
 
 
@@ -82,7 +134,9 @@ def _load_schemas(crd_dir: Path) -> dict[tuple[str, str], dict]:
     if not crd_dir.is_dir():
         raise ConfigError(f"--crd-dir: {crd_dir}: KubeRay CRD directory not found "
                           f"(expected {', '.join(CRD_FILES)})")
-    schemas = {("v1", "ConfigMap"): CONFIG_MAP_SCHEMA}
+    schemas = {("v1", "ConfigMap"): CONFIG_MAP_SCHEMA, ("v1", "ServiceAccount"): SERVICE_ACCOUNT_SCHEMA,
+               ("networking.k8s.io/v1", "NetworkPolicy"): NETWORK_POLICY_SCHEMA,
+               ("policy/v1", "PodDisruptionBudget"): PDB_SCHEMA}
     for file_name in CRD_FILES:
         path = crd_dir / file_name
         if not path.is_file():
