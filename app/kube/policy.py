@@ -14,7 +14,7 @@ from typing import Any, Iterator, Optional
 import yaml
 
 from app.config import ConfigError, JobConfig, build_config
-from app.kube.render import (API_TOKEN_MOUNT, CLIENT_LABEL, CONFIG_MOUNT, DRAIN_ENV, ENTRYPOINT, GPU_RESOURCE,
+from app.kube.render import (API_TOKEN_MOUNT, CONFIG_MOUNT, DRAIN_ENV, ENTRYPOINT, GPU_RESOURCE,
                              HEAD_CLIENT_PORTS, KUEUE_QUEUE_LABEL, RUN_LABEL, SAFE_TO_EVICT, SPOT_LABELS, TMP_MOUNT,
                              build_manifests, check_image, warn_image)
 from app.kube.schema import ERROR, WARNING, Violation, check_schema, format_path, load_schemas
