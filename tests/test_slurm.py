@@ -1,10 +1,14 @@
 """jobs/slurm/finetune.sbatch: shellcheck-clean, and its Ray bring-up, training launch and
 USR1 drain → requeue run for real under a fake two-node Slurm allocation. `srun`, `scontrol`,
-`ray` and `eft` are shims on PATH that record every command (no Ray, no GPUs)."""
+`ray` and `eft` are shims on PATH that record every command and the auth environment each one
+saw (no Ray, no GPUs). The fake `srun` starts each step from a clean auth environment and
+applies only what `--export` hands it, and the fake Ray refuses anything without the token,
+as a real token-auth cluster does; its dashboard answers only on the address it was bound to."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,8 +26,14 @@ SHIMS = {
     "srun": r'''#!/bin/bash
 echo "srun $*" >> "$SHIM_LOG"
 node=""
+unset RAY_AUTH_MODE RAY_AUTH_TOKEN_PATH RAY_AUTH_TOKEN
 while [[ $# -gt 0 && $1 == -* ]]; do
-    case $1 in -w|--nodelist) node=$2; shift 2 ;; *) shift ;; esac
+    case $1 in
+      -w|--nodelist) node=$2; shift 2 ;;
+      --export=*) IFS=, read -ra assignments <<<"${1#--export=}"
+                  for a in "${assignments[@]}"; do [[ $a == *=* ]] && export "${a?}"; done; shift ;;
+      *) shift ;;
+    esac
 done
 if [[ $1 == hostname ]]; then echo "10.0.0.${node#node}"; exit 0; fi
 SLURMD_NODENAME=$node exec "$@"
@@ -36,12 +46,21 @@ if [[ $1 == show && $2 == hostnames ]]; then printf '%s\n' $FAKE_HOSTNAMES; fi
     # `list nodes` reports one ALIVE node per `ray start` seen so far, less FAKE_LOST_NODES.
     "ray": r'''#!/bin/bash
 echo "ray $* [on $SLURMD_NODENAME]" >> "$SHIM_LOG"
+mode=$(stat -c %a "$RAY_AUTH_TOKEN_PATH" 2>/dev/null)
+echo "ray $1|${SLURMD_NODENAME:-batch}|$RAY_AUTH_MODE|$RAY_AUTH_TOKEN_PATH|$mode|$(cat "$RAY_AUTH_TOKEN_PATH" 2>/dev/null)" >> "$AUTH_LOG"
+if [[ $RAY_AUTH_MODE != token || ! -s $RAY_AUTH_TOKEN_PATH ]]; then echo "Unauthenticated: no Ray token" >&2; exit 1; fi
 case $1 in
+  health-check)
+    grep -q '^ray start --head' "$SHIM_LOG" ;;
   start)
     drained="raylet on $SLURMD_NODENAME got SIGTERM (drain ${RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S}s)"
     trap 'echo "$drained" >> "$SHIM_LOG"; exit 0' TERM
     while :; do sleep 0.05; done ;;
   list)
+    host=${3#--address=http://}; host=${host%:*}
+    if ! grep -q -- "^ray start --head .*--dashboard-host=$host " "$SHIM_LOG"; then
+        echo "ConnectionError: nothing listens on $host:8265" >&2; exit 1
+    fi
     echo "["
     alive=$(( $(grep -c '^ray start' "$SHIM_LOG") - ${FAKE_LOST_NODES:-0} ))
     for _ in $(seq "$alive"); do echo '  {"node_id": "x", "state": "ALIVE"},'; done
@@ -51,6 +70,7 @@ esac
     # eft: like the trainer, it checkpoints and exits once its Ray nodes drain.
     "eft": r'''#!/bin/bash
 echo "eft $* [RAY_ADDRESS=$RAY_ADDRESS]" >> "$SHIM_LOG"
+echo "eft $1|batch|$RAY_AUTH_MODE|$RAY_AUTH_TOKEN_PATH|$(stat -c %a "$RAY_AUTH_TOKEN_PATH")|$(cat "$RAY_AUTH_TOKEN_PATH")" >> "$AUTH_LOG"
 end=$(( SECONDS + ${EFT_SHIM_SECONDS:-0} ))
 while (( SECONDS < end )); do
     if grep -q "got SIGTERM (drain" "$SHIM_LOG"; then echo "eft checkpointed and exited" >> "$SHIM_LOG"; exit 1; fi
@@ -75,7 +95,12 @@ def fake_slurm(tmp_path):
         (bin_dir / name).chmod(0o755)
     log = tmp_path / "commands.log"
     log.touch()
+    (tmp_path / "auth.log").touch()
     env = {
+        "AUTH_LOG": str(tmp_path / "auth.log"),
+        "EFT_SLURM_STATE_DIR": str(tmp_path / "state"),
+        # A stray token in the caller's environment must not reach the cluster.
+        "RAY_AUTH_TOKEN": "stray-token-from-the-login-shell",
         "PATH": f"{bin_dir}:/usr/bin:/bin",
         "HOME": str(tmp_path),
         "SHIM_LOG": str(log),
@@ -113,21 +138,39 @@ def test_sbatch_directives():
 def test_brings_up_ray_on_two_nodes_and_trains(fake_slurm):
     env, log = fake_slurm
     proc = start(env, "jobs/configs/llama3-70b-lora.yaml", "--set", "training.max_steps=10")
-    _, err = proc.communicate(timeout=30)
+    out, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     lines = log.read_text().splitlines()
-    head = "ray start --head --node-ip-address=10.0.0.1 --port=6379 --num-cpus=96 --num-gpus=8 --block [on node1]"
+    head = ("ray start --head --node-ip-address=10.0.0.1 --port=6379 --dashboard-host=10.0.0.1 --dashboard-port=8265 "
+            "--num-cpus=96 --num-gpus=8 --block [on node1]")
     worker = "ray start --address=10.0.0.1:6379 --num-cpus=96 --num-gpus=8 --block [on node2]"
     train = ("eft train jobs/configs/llama3-70b-lora.yaml --set training.max_steps=10 "
              "[RAY_ADDRESS=10.0.0.1:6379]")
     assert lines[0] == "scontrol show hostnames node[1-2]"
-    assert lines[1] == "srun --nodes=1 --ntasks=1 -w node1 hostname --ip-address"
-    assert "srun --nodes=1 --ntasks=1 -w node1 ray start --head" in "\n".join(lines)
-    assert "srun --nodes=1 --ntasks=1 -w node2 ray start --address=10.0.0.1:6379" in "\n".join(lines)
-    # Order: head, then the worker, then polling until both are alive, then training, then teardown.
-    assert lines.index(head) < lines.index(worker) < lines.index(train)
+    (token_path,) = {line.split(",RAY_AUTH_TOKEN_PATH=")[1].split()[0] for line in lines if line.startswith("srun")}
+    export = f"srun --export=ALL,RAY_AUTH_MODE=token,RAY_AUTH_TOKEN_PATH={token_path} --nodes=1 --ntasks=1"
+    assert lines[1] == f"{export} -w node1 hostname --ip-address"
+    assert f"{export} -w node1 ray start --head" in "\n".join(lines)
+    assert f"{export} -w node2 ray start --address=10.0.0.1:6379" in "\n".join(lines)
+    # Order: head, its health check, the worker, polling until both are alive, training, teardown.
+    # (the first health checks may race the head's start: the last one is the one that passed)
+    health = max(i for i, line in enumerate(lines) if line == "ray health-check --address 10.0.0.1:6379 [on ]")
+    assert lines.index(head) < health < lines.index(worker) < lines.index(train)
     polls = [i for i, line in enumerate(lines) if line.startswith("ray list nodes --address=http://10.0.0.1:8265")]
     assert polls and max(polls) < lines.index(train)
+    # Every step, ray call and the trainer ran with token auth, one private 0600 token file, one token.
+    seen = [line.split("|") for line in (log.parent / "auth.log").read_text().splitlines()]
+    assert {(cmd, node) for cmd, node, *_ in seen} >= {("ray start", "node1"), ("ray start", "node2"),
+                                                        ("ray health-check", "batch"), ("ray list", "batch"),
+                                                        ("eft train", "batch")}
+    assert {tuple(rest) for _, _, *rest in seen} == {("token", token_path, "600", seen[0][5])}
+    token = seen[0][5]
+    assert re.fullmatch(r"[0-9a-f]{64}", token)
+    assert Path(token_path).parent.parent == Path(env["EFT_SLURM_STATE_DIR"])
+    # Never printed, never on a command line; the job's directory is gone once it ends.
+    assert token not in out + err + log.read_text()
+    assert f"Ray token file: {token_path}" in err
+    assert not Path(token_path).parent.exists()
     assert {line for line in lines[lines.index(train):] if "got SIGTERM" in line} == {
         "raylet on node1 got SIGTERM (drain 90s)", "raylet on node2 got SIGTERM (drain 90s)"}
     assert "all 2 Ray nodes are up" in err
@@ -155,7 +198,7 @@ def test_gives_up_when_a_worker_never_joins(fake_slurm):
     proc = start(env, "jobs/configs/tiny-cpu.yaml", FAKE_LOST_NODES="1", RAY_WAIT_S="1")
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 1
-    assert "only 1 of 2 Ray nodes joined within 1s" in err
+    assert "all 2 Ray nodes not ready within 1s: only 1 of 2 Ray nodes joined" in err
     text = log.read_text()
     assert "eft train" not in text
     assert "raylet on node1 got SIGTERM" in text and "raylet on node2 got SIGTERM" in text
