@@ -356,7 +356,7 @@ def test_a_complete_run_needs_its_network_policy_and_head_budget(kind, reference
 def test_kube_names_that_would_collide_are_refused():
     """A_B and a-b are different runs in storage; normalised they would share one RayJob."""
     cfg = load_config(REFERENCE)
-    for bad in ("A_B", "llama3.70b", "Llama3-70b", "-lead", "x" * 41):
+    for bad in ("A_B", "llama3.70b", "Llama3-70b", "-lead", "trail-", "8b-lora", "x" * 41):
         with pytest.raises(ConfigError) as err:
             kube.build_manifests(cfg.model_copy(update={"name": bad}), "eks-spot", IMAGE)
         assert str(err.value).startswith(f"name: {bad!r} is not a Kubernetes name") and "\n" not in str(err.value)

@@ -222,11 +222,13 @@ def build_kube_name(cfg: JobConfig) -> str:
     would let two runs with different storage share one RayJob, ConfigMap and auth Secret:
     a name that is not already a Kubernetes name is refused instead."""
     name = cfg.name
-    # KubeRay derives Service names (<name>-head-svc, RayJob suffixes) that must stay under 63.
-    if not re.fullmatch(r"[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?", name):
+    # KubeRay derives Service and Secret names from it (<name>-head-svc, <name>-<5 chars> for a
+    # RayJob's cluster): they stay under 63 characters and, starting with a letter, are valid
+    # Service names that KubeRay leaves as they are (it rewrites a leading digit).
+    if not re.fullmatch(r"[a-z]([a-z0-9-]{0,38}[a-z0-9])?", name):
         raise ConfigError(f"name: {name!r} is not a Kubernetes name (1..40 lowercase letters, digits or '-', "
-                          f"starting and ending with a letter or digit); eft does not rewrite it because the "
-                          f"run name is also the run's storage prefix")
+                          f"starting with a letter and ending with a letter or digit); eft does not rewrite it "
+                          f"because the run name is also the run's storage prefix")
     return name
 
 
