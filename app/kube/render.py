@@ -288,7 +288,7 @@ def build_security_context() -> dict:
 
 
 def build_pod_security_context() -> dict:
-    # fsGroup: the emptyDirs and the projected token are group-readable by the ray user.
+    # fsGroup: volumes that honour it (the projected token among them) belong to the ray group.
     return {"runAsNonRoot": True, "runAsUser": RAY_UID, "runAsGroup": RAY_GID, "fsGroup": RAY_GID,
             "seccompProfile": {"type": "RuntimeDefault"}}
 
@@ -296,7 +296,7 @@ def build_pod_security_context() -> dict:
 def build_api_token_volume() -> dict:
     """What the kubelet would automount (token, CA, namespace), as a volume the head pod mounts
     into the autoscaler sidecar only, so a Ray job on the head holds no Kubernetes credentials."""
-    return {"name": API_TOKEN_VOLUME, "projected": {"defaultMode": 0o440, "sources": [
+    return {"name": API_TOKEN_VOLUME, "projected": {"defaultMode": 0o644, "sources": [  # the kubelet's own mode
         {"serviceAccountToken": {"path": "token", "expirationSeconds": 3607}},
         {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
         {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {"fieldPath": "metadata.namespace"}}]}}]}}
@@ -376,8 +376,9 @@ def build_cluster_spec(cfg: JobConfig, overlay: Overlay, image: str, place: Plac
             "volumeMounts": [{"name": "tmp", "mountPath": TMP_MOUNT},
                              {"name": API_TOKEN_VOLUME, "mountPath": API_TOKEN_MOUNT, "readOnly": True}],
         },
-        # 0.0.0.0: the dashboard must answer on the pod IP for the head Service, the KubeRay
-        # operator and the submitter; token auth and the NetworkPolicy decide who gets in.
+        # 0.0.0.0 inside the pod's network namespace is the pod IP plus loopback, and both are
+        # needed: the head Service, the KubeRay operator and the submitter come in on the pod IP,
+        # `kubectl port-forward` on loopback. Token auth and the NetworkPolicy decide who gets in.
         "headGroupSpec": {"rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0"}, "template": head},
         "workerGroupSpecs": [{
             "groupName": group,
