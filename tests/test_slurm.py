@@ -46,7 +46,7 @@ if [[ $1 == show && $2 == hostnames ]]; then printf '%s\n' $FAKE_HOSTNAMES; fi
     # `list nodes` reports one ALIVE node per `ray start` seen so far, less FAKE_LOST_NODES.
     "ray": r'''#!/bin/bash
 echo "ray $* [on $SLURMD_NODENAME]" >> "$SHIM_LOG"
-mode=$(stat -c %a "$RAY_AUTH_TOKEN_PATH" 2>/dev/null)
+mode=$(stat -c %a "$RAY_AUTH_TOKEN_PATH" "${RAY_AUTH_TOKEN_PATH%/*}" 2>/dev/null | paste -sd/)
 echo "ray $1|${SLURMD_NODENAME:-batch}|$RAY_AUTH_MODE|$RAY_AUTH_TOKEN_PATH|$mode|$(cat "$RAY_AUTH_TOKEN_PATH" 2>/dev/null)" >> "$AUTH_LOG"
 if [[ $RAY_AUTH_MODE != token || ! -s $RAY_AUTH_TOKEN_PATH ]]; then echo "Unauthenticated: no Ray token" >&2; exit 1; fi
 case $1 in
@@ -71,7 +71,8 @@ esac
     # eft: like the trainer, it checkpoints and exits once its Ray nodes drain.
     "eft": r'''#!/bin/bash
 echo "eft $* [RAY_ADDRESS=$RAY_ADDRESS]" >> "$SHIM_LOG"
-echo "eft $1|batch|$RAY_AUTH_MODE|$RAY_AUTH_TOKEN_PATH|$(stat -c %a "$RAY_AUTH_TOKEN_PATH")|$(cat "$RAY_AUTH_TOKEN_PATH")" >> "$AUTH_LOG"
+mode=$(stat -c %a "$RAY_AUTH_TOKEN_PATH" "${RAY_AUTH_TOKEN_PATH%/*}" | paste -sd/)
+echo "eft $1|batch|$RAY_AUTH_MODE|$RAY_AUTH_TOKEN_PATH|$mode|$(cat "$RAY_AUTH_TOKEN_PATH")" >> "$AUTH_LOG"
 end=$(( SECONDS + ${EFT_SHIM_SECONDS:-0} ))
 while (( SECONDS < end )); do
     if grep -q "got SIGTERM (drain" "$SHIM_LOG"; then echo "eft checkpointed and exited" >> "$SHIM_LOG"; exit 1; fi
@@ -158,12 +159,13 @@ def test_brings_up_ray_on_two_nodes_and_trains(fake_slurm):
     assert lines.index(head) < lines.index("GCS healthy") < lines.index(worker) < lines.index(train)
     polls = [i for i, line in enumerate(lines) if line.startswith("ray list nodes --address=http://10.0.0.1:8265")]
     assert polls and max(polls) < lines.index(train)
-    # Every step, ray call and the trainer ran with token auth, one private 0600 token file, one token.
+    # Every step, ray call and the trainer ran with token auth, one token file (0600 in a 0700
+    # directory), one token.
     seen = [line.split("|") for line in (log.parent / "auth.log").read_text().splitlines()]
     assert {(cmd, node) for cmd, node, *_ in seen} >= {("ray start", "node1"), ("ray start", "node2"),
                                                         ("ray health-check", "batch"), ("ray list", "batch"),
                                                         ("eft train", "batch")}
-    assert {tuple(rest) for _, _, *rest in seen} == {("token", token_path, "600", seen[0][5])}
+    assert {tuple(rest) for _, _, *rest in seen} == {("token", token_path, "600/700", seen[0][5])}
     token = seen[0][5]
     assert re.fullmatch(r"[0-9a-f]{64}", token)
     assert Path(token_path).parent.parent == Path(env["EFT_SLURM_STATE_DIR"])
