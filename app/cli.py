@@ -222,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", nargs="?", help="job YAML to render")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
     p.add_argument("--overlay", default=None, help="eks-spot, gke-spot, kueue or base")
-    p.add_argument("--image", default=None, help="container image built from the Dockerfile, pinned by digest (a tag warns)")
+    p.add_argument("--image", default=None,
+                   help="container image built from the Dockerfile, pinned by digest (a tag warns)")
     p.add_argument("--node-type", default=None, help="worker node type (default: per overlay)")
     p.add_argument("--out", default=None, help="directory to write configmap/rayjob/raycluster YAML to")
     p.add_argument("--check", default=None, metavar="DIR", help="validate every YAML under DIR (or a file)")

@@ -47,7 +47,8 @@ if [[ $1 == show && $2 == hostnames ]]; then printf '%s\n' $FAKE_HOSTNAMES; fi
     "ray": r'''#!/bin/bash
 echo "ray $* [on $SLURMD_NODENAME]" >> "$SHIM_LOG"
 mode=$(stat -c %a "$RAY_AUTH_TOKEN_PATH" "${RAY_AUTH_TOKEN_PATH%/*}" 2>/dev/null | paste -sd/)
-echo "ray $1|${SLURMD_NODENAME:-batch}|$RAY_AUTH_MODE|$RAY_AUTH_TOKEN_PATH|$mode|$(cat "$RAY_AUTH_TOKEN_PATH" 2>/dev/null)" >> "$AUTH_LOG"
+token=$(cat "$RAY_AUTH_TOKEN_PATH" 2>/dev/null)
+echo "ray $1|${SLURMD_NODENAME:-batch}|$RAY_AUTH_MODE|$RAY_AUTH_TOKEN_PATH|$mode|$token" >> "$AUTH_LOG"
 if [[ $RAY_AUTH_MODE != token || ! -s $RAY_AUTH_TOKEN_PATH ]]; then echo "Unauthenticated: no Ray token" >&2; exit 1; fi
 case $1 in
   health-check)
