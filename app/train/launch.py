@@ -17,6 +17,7 @@ from app.data.stream import document_isolation
 from app.storage import Store, join
 from app.summary import build_summary, write_summary
 from app.train import checkpoint as ckpt
+from app.train.architecture import check_lora_targets, check_seq_len, load_model_config
 from app.train.elastic import NodeWatcher, build_refresh_callback
 from app.train.sinks import mlflow_settings
 from app.train.model import ModelError
@@ -39,6 +40,14 @@ def preflight(cfg: JobConfig, store: Store) -> dict:
     if train_rows < cfg.training.global_batch_size:
         raise ValueError(f"training.global_batch_size {cfg.training.global_batch_size} exceeds the "
                          f"{train_rows} train rows of {cfg.data.uri}")
+    if cfg.training.eval_every_steps and not manifest["splits"].get("validation", {}).get("rows"):
+        raise ValueError(f"training.eval_every_steps {cfg.training.eval_every_steps}: the dataset at {cfg.data.uri} "
+                         f"has no validation rows (prepare it with data.validation_fraction > 0, or unset "
+                         f"training.eval_every_steps)")
+    model_config = load_model_config(store, cfg.model.uri)
+    check_seq_len(cfg.data.seq_len, model_config, cfg.model.uri)
+    if cfg.lora is not None:
+        check_lora_targets(cfg.lora, model_config, cfg.model.uri)
     return manifest
 
 
