@@ -17,6 +17,7 @@ import yaml
 
 from app.cli import main
 from app.config import load_config
+from app.data.lease import hold_prepare_lease
 from app.data.prepare import prepare_dataset
 from app.dev.tiny import build_corpus, save_tiny_base
 from app.storage import Store, join
@@ -91,6 +92,15 @@ def test_train_refuses_in_one_line_before_ray_or_any_object(job, capsys, name, s
     assert not any("Traceback" in line for line in lines)
     assert not ray.is_initialized()
     assert run_objects(name) == []
+
+
+def test_train_waits_for_a_prepare_that_holds_the_dataset(job, capsys):
+    with hold_prepare_lease(Store(), DATA) as lease:
+        assert main(["train", str(job), "--set", "name=during-prepare"]) == 1
+    message = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message.startswith(f"eft: error: {DATA}: being prepared by prepare (pid ")
+    assert lease.owner["host"] in message and "lease until 20" in message
+    assert run_objects("during-prepare") == []
 
 
 def test_the_console_script_names_a_missing_target_and_writes_nothing(job):

@@ -12,6 +12,7 @@ import time
 
 from app.cluster import init_ray
 from app.config import JobConfig, dump_config
+from app.data.lease import check_not_being_prepared, hold_reader_lease
 from app.data.manifest import load_manifest
 from app.data.stream import document_isolation
 from app.storage import Store, join
@@ -31,6 +32,7 @@ def preflight(cfg: JobConfig, store: Store) -> dict:
         store.check_reachable(uri)
     if not store.exists(join(cfg.model.uri, "config.json")):
         raise ModelError(f"{cfg.model.uri}: not a Hugging Face model dir (no config.json)")
+    check_not_being_prepared(store, cfg.data.uri)
     manifest = load_manifest(store, cfg.data.uri)
     if manifest["seq_len"] != cfg.data.seq_len:
         raise ValueError(f"data.seq_len {cfg.data.seq_len} != seq_len {manifest['seq_len']} of the dataset "
@@ -94,6 +96,8 @@ def run_training(cfg: JobConfig, store: Store | None = None, train_fn=None) -> d
     store.write_text(join(cfg.run_uri, "config.yaml"), dump_config(cfg))
     ckpt.record_event(store, cfg.run_uri, "driver_start", resumed=resumed)
     status, error = "succeeded", None
+    # While the driver lives, a prepare may not replace the dataset the workers stream.
+    reader = hold_reader_lease(store, cfg.data.uri, cfg.run_uri)
     watcher = NodeWatcher().start() if cfg.scaling.min_workers < cfg.scaling.max_workers else None
     try:
         build_trainer(cfg, store, train_fn).fit()
@@ -102,6 +106,7 @@ def run_training(cfg: JobConfig, store: Store | None = None, train_fn=None) -> d
     finally:
         if watcher:
             watcher.stop()
+        reader.stop()
     summary = build_summary(store, cfg, status=status, wall_s=time.time() - started,
                             error=None if error is None else f"{type(error).__name__}: {error}")
     write_summary(store, cfg.run_uri, summary)
