@@ -1,8 +1,9 @@
 """`eft train` refuses, before Ray starts and before it writes a single object, what the model or
 the dataset cannot take: LoRA targets the model lacks, sequences beyond its positions, evaluation
 without a validation split, a dataset that a prepare is rewriting. Each refusal is one line
-naming the key or URI at fault. No Ray here: a check that let a bad job through would start one
-and fail the test on the run prefix or the exit code."""
+naming the key or URI at fault. No Ray for the refusals: a check that let a bad job through
+would start one and fail the test on the run prefix or the exit code. One run (with a stand-in
+worker loop) shows the reader lease a run holds on its dataset."""
 
 from __future__ import annotations
 
@@ -17,11 +18,11 @@ import yaml
 
 from app.cli import main
 from app.config import load_config
-from app.data.lease import hold_prepare_lease
+from app.data.lease import READERS_DIR, hold_prepare_lease
 from app.data.prepare import prepare_dataset
 from app.dev.tiny import build_corpus, save_tiny_base
 from app.storage import Store, join
-from app.train.launch import preflight
+from app.train.launch import preflight, run_training
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = "s3://eft/models/preflight-tiny"
@@ -113,3 +114,19 @@ def test_the_console_script_names_a_missing_target_and_writes_nothing(job):
         "eft: error: lora.target_modules: 'query_key_value' matches no module of the llama model at "), out.stderr
     assert "Traceback" not in out.stderr and "Warning" not in out.stderr, out.stderr
     assert run_objects("console") == []
+
+
+def _expect_one_reader_lease(config):
+    """The worker loop stand-in: while the workers run, the driver's reader lease is there."""
+    readers = Store().list_files(join(DATA, READERS_DIR))
+    if len(readers) != 1:
+        raise RuntimeError(f"expected the run's reader lease under {DATA}/{READERS_DIR}, found {readers}")
+
+
+def test_a_run_reads_its_dataset_under_a_reader_lease_it_releases(job, ray_cluster):
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
+    cfg = load_config(job, ["name=reader-lease"])
+    run_training(cfg, train_fn=_expect_one_reader_lease)
+    assert Store().list_files(join(DATA, READERS_DIR)) == []
