@@ -167,3 +167,16 @@ def test_neighbouring_data_and_run_prefixes_load(tmp_path, data_uri, root_uri):
     cfg = load_config(TINY, [f"data.uri={data_uri.format(tmp=tmp_path)}",
                              f"storage.root_uri={root_uri.format(tmp=tmp_path)}"])
     assert cfg.run_uri.endswith("/tiny-cpu")
+
+
+@pytest.mark.parametrize("root", ["/", "", "."])
+def test_train_with_a_root_of_slash_empty_or_dot_stops_at_the_config(root, capsys, tmp_path, monkeypatch):
+    """What a new user tried: `/` trained into /tiny-cpu and `""` into the current directory, both
+    exiting 0. Now `eft train` stops in one line naming the key, before storage or Ray is touched."""
+    from app.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", str(TINY), "--set", f"storage.root_uri='{root}'"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"eft: error: {TINY}: storage.root_uri: ")
+    assert list(tmp_path.iterdir()) == []  # nothing in the current directory
