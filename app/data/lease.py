@@ -27,7 +27,7 @@ import threading
 import uuid
 from typing import Optional
 
-from app.storage import Store, StorageError, join
+from app.storage import Store, join
 
 log = logging.getLogger(__name__)
 
@@ -156,8 +156,8 @@ class Lease:
             except LeaseError as err:
                 log.warning("lease: %s", err)
                 return
-            except (StorageError, OSError) as err:  # a storage blip: the next renewal may pass
-                log.warning("lease: renewing %s failed (%s); retrying", self.uri, err)
+            except Exception as err:  # a storage blip (pyarrow or botocore): the next renewal may pass
+                log.warning("lease: renewing %s failed (%s: %s); retrying", self.uri, type(err).__name__, err)
 
     def stop(self) -> None:
         """Stop renewing and delete the lease if it is still ours."""
@@ -167,8 +167,9 @@ class Lease:
         if self.version is not None and not self.lost:
             try:
                 self.store.delete_if(self.uri, self.version)
-            except (StorageError, OSError) as err:  # it expires on its own
-                log.warning("lease: releasing %s failed (%s); it expires in %.0f s", self.uri, err, self.ttl_s)
+            except Exception as err:  # it expires on its own
+                log.warning("lease: releasing %s failed (%s: %s); it expires within %.0f s", self.uri,
+                            type(err).__name__, err, self.ttl_s)
 
     def __enter__(self) -> "Lease":
         return self.start()
