@@ -218,9 +218,10 @@ class Store:
     @staticmethod
     @contextlib.contextmanager
     def _local_lock(path: Path):
-        # Local compare-and-swap: every conditional writer of `path` holds this lock.
+        # Local compare-and-swap: every conditional writer in the directory holds its one lock
+        # file (a file, not the directory itself: NFS emulates flock with locks that need one).
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(f"{path}.lock", "w") as lock:
+        with open(path.parent / ".lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             yield
 

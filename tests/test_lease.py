@@ -24,7 +24,7 @@ def test_one_holder_at_a_time_renewals_extend_and_release_frees(tmp_path):
         renewed = json.loads((tmp_path / "data" / "_lease.json").read_text())
         assert first.version != version and renewed["expires_at"] >= held["expires_at"]
         assert renewed["created_at"] == held["created_at"]
-    assert not (tmp_path / "data" / "_lease.json").exists()
+    assert [p.name for p in (tmp_path / "data").iterdir()] == [".lock"]  # released; one lock file per directory
     with hold_prepare_lease(store, data_uri):
         pass
 

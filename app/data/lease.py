@@ -221,7 +221,7 @@ def live_readers(store: Store, data_uri: str) -> list[dict]:
     readers = []
     root = join(data_uri, READERS_DIR)
     for name in store.list_files(root, recursive=False):
-        if not name.endswith(".json"):  # a local filesystem's lock files
+        if not name.endswith(".json"):  # a local filesystem's lock file
             continue
         uri = join(root, name)
         current = store.read_versioned(uri)
