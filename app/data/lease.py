@@ -209,7 +209,13 @@ def hold_reader_lease(store: Store, data_uri: str, run_uri: str) -> Lease:
 
 
 def check_not_being_prepared(store: Store, data_uri: str) -> None:
-    current = store.read_versioned(lease_uri(data_uri))
+    """LeaseError while a prepare holds the dataset's writer lease."""
+    try:
+        current = store.read_versioned(lease_uri(data_uri))
+    except Exception as err:  # read-only access without ListBucket answers 403 for an absent key
+        log.warning("dataset %s: cannot read its writer lease (%s); not checking for a prepare in progress",
+                    data_uri, type(err).__name__)
+        return
     held = parse_lease(current[0]) if current else None
     if is_live(held):
         raise LeaseError(f"{data_uri}: being prepared by {describe_owner(held['owner'])} (lease until "
