@@ -7,16 +7,52 @@ Credentials never live here: S3 uses the standard AWS chain and `AWS_ENDPOINT_UR
 
 from __future__ import annotations
 
+import os
 import re
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
     """A config problem, reported as one line naming the key or file at fault."""
+
+
+def split_location(uri: str) -> tuple[str, tuple[str, ...]]:
+    """A storage URI as (scheme, path components), as `app.storage.resolve` reads it: s3://bucket/key
+    → ("s3", (bucket, *key parts)); file:// URIs and plain paths → ("file", absolute path parts), a
+    relative path taken from the current directory. Comparing components (not strings) keeps
+    `data` and `data2` apart and ignores trailing and doubled slashes."""
+    uri = uri.strip()
+    if uri.startswith("s3://"):
+        return "s3", tuple(part for part in uri[len("s3://"):].split("/") if part)
+    path = uri[len("file://"):] if uri.startswith("file://") else uri
+    return "file", PurePosixPath(os.path.abspath(os.path.expanduser(path))).parts
+
+
+def check_location(uri: str) -> str:
+    """A prefix that can hold a tree of objects: a bucket (and key) or a directory below the
+    filesystem root. Raises ValueError naming the URI."""
+    if not uri.strip():
+        raise ValueError("empty (give s3://bucket/prefix or a directory)")
+    scheme, parts = split_location(uri)
+    if scheme == "s3" and not uri.strip()[len("s3://"):].split("/", 1)[0]:
+        raise ValueError(f"{uri!r} names no bucket (give s3://bucket/prefix)")
+    rest = uri.strip()[len("file://"):] if uri.strip().startswith("file://") else uri.strip()
+    if scheme == "file" and (len(parts) <= 1 or os.path.normpath(rest) in (".", "..")):
+        # "/" would put runs at /<name> and "." wherever the command happens to run.
+        raise ValueError(f"{uri!r} is the filesystem root or a bare current/parent directory "
+                         f"(give s3://bucket/prefix or a directory of its own)")
+    return uri
+
+
+def locations_overlap(a: str, b: str) -> bool:
+    """True when one URI's tree holds the other's (or they are the same)."""
+    (scheme_a, parts_a), (scheme_b, parts_b) = split_location(a), split_location(b)
+    shorter = min(len(parts_a), len(parts_b))
+    return scheme_a == scheme_b and parts_a[:shorter] == parts_b[:shorter]
 
 
 class _Strict(BaseModel):
@@ -33,7 +69,19 @@ class LoraConfig(_Strict):
     r: int = Field(16, gt=0)
     alpha: float = Field(32.0, gt=0)
     dropout: float = Field(0.0, ge=0, lt=1)
+    # PEFT's rule for a list: each name matches a module whose dotted name is it or ends in ".<name>"
+    # (no regexes); preflight checks each one against the model's modules.
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_targets(cls, targets: list[str]) -> list[str]:
+        if not targets:
+            raise ValueError("empty: name the modules LoRA adapts (e.g. [q_proj, v_proj]), or set lora: null "
+                             "for a full fine-tune")
+        if any(not t.strip() for t in targets):
+            raise ValueError(f"{targets}: a module name is empty")
+        return targets
 
 
 class DataConfig(_Strict):
@@ -45,6 +93,11 @@ class DataConfig(_Strict):
     # document start and transformers builds a block-causal mask from them). true: every token of a
     # row attends to everything before it, across documents (no position_ids passed).
     cross_document_attention: bool = False
+
+    @field_validator("uri")
+    @classmethod
+    def _a_prefix(cls, uri: str) -> str:
+        return check_location(uri)
 
 
 class InputSource(_Strict):
@@ -152,7 +205,8 @@ class TrainingConfig(_Strict):
     epochs: Optional[float] = Field(None, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip_norm: Optional[float] = Field(1.0, gt=0)
-    seed: int = 0
+    # numpy and torch both take any seed in 0..2**32-1.
+    seed: int = Field(0, ge=0, le=2**32 - 1)
     activation_checkpointing: bool = False
     mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"
     parallelism: Literal["fsdp", "ddp"] = "fsdp"
@@ -192,10 +246,22 @@ class ScalingConfig(_Strict):
     # Extra Ray resources each worker needs (e.g. a node-type label resource), beside CPU/GPU.
     resources_per_worker: dict[str, float] = Field(default_factory=dict)
     # How often a healthy elastic run checks whether more workers fit (and restarts bigger).
-    elastic_resize_monitor_interval_s: float = Field(60.0, ge=0)
+    elastic_resize_monitor_interval_s: float = Field(60.0, gt=0)
     # How long a (re)start waits for the requested workers before an elastic run settles for
     # fewer; None keeps Ray Train's default (60 s).
     worker_group_start_timeout_s: Optional[float] = Field(None, gt=0)
+
+    @field_validator("resources_per_worker")
+    @classmethod
+    def _extra_resources_only(cls, resources: dict[str, float]) -> dict[str, float]:
+        for name, amount in resources.items():
+            # Ray names them CPU and GPU; any case here would be a second, conflicting count.
+            if name.upper() in ("CPU", "GPU"):
+                raise ValueError(f"{name!r}: set {name.lower()}s per worker with scaling.{name.lower()}s_per_worker, "
+                                 f"not here (this map is for other Ray resources)")
+            if amount < 0:
+                raise ValueError(f"{name!r}: {amount} is negative")
+        return resources
 
 
 class FaultToleranceConfig(_Strict):
@@ -209,6 +275,11 @@ class StorageConfig(_Strict):
     # Normally unset: boto3/pyarrow read AWS_ENDPOINT_URL. Set it to pin an S3-compatible store.
     s3_endpoint: Optional[str] = None
     s3_region: str = "us-east-1"
+
+    @field_validator("root_uri")
+    @classmethod
+    def _a_prefix(cls, uri: str) -> str:
+        return check_location(uri)
 
 
 class JobConfig(_Strict):
@@ -227,6 +298,11 @@ class JobConfig(_Strict):
     def _cross_checks(self) -> "JobConfig":
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", self.name):
             raise ValueError(f"name {self.name!r} must be letters, digits, '.', '_' or '-'")
+        if locations_overlap(self.data.uri, self.storage.root_uri):
+            # Runs and datasets each delete what they own under their prefix; nested, one would
+            # delete or list the other's objects.
+            raise ValueError(f"data.uri {self.data.uri} and storage.root_uri {self.storage.root_uri} overlap "
+                             f"(one holds the other): keep datasets and runs under separate prefixes")
         s, t = self.scaling, self.training
         if s.min_workers > s.max_workers:
             raise ValueError(f"scaling.min_workers ({s.min_workers}) > scaling.max_workers ({s.max_workers})")

@@ -8,6 +8,7 @@ workers, stored by Ray Train) carries none.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -145,6 +146,91 @@ class Store:
 
     def write_json(self, uri: str, obj: Any) -> None:
         self.write_bytes(uri, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
+
+    # -- conditional writes (leases) -----------------------------------------------
+    def read_versioned(self, uri: str) -> Optional[tuple[bytes, str]]:
+        """(content, version) of one object, None if absent. The version is S3's ETag, or a hash
+        of the content on a local filesystem: what `write_if` compares against."""
+        if is_s3(uri):
+            client, bucket, key = self._s3_object(uri)
+            try:
+                got = client.get_object(Bucket=bucket, Key=key)
+            except client.exceptions.NoSuchKey:
+                return None
+            return got["Body"].read(), got["ETag"]
+        path = Path(self.resolve(uri)[1])
+        with self._local_lock(path):
+            return self._read_local_versioned(path)
+
+    def write_if(self, uri: str, data: bytes, version: Optional[str]) -> Optional[str]:
+        """Write one object only if it is absent (`version` None) or still at `version`; returns
+        the new version, or None when another writer got there first. On S3 this is a conditional
+        PUT (If-None-Match / If-Match), so of two racing writers exactly one wins."""
+        if is_s3(uri):
+            client, bucket, key = self._s3_object(uri)
+            condition = {"IfNoneMatch": "*"} if version is None else {"IfMatch": version}
+            try:
+                return client.put_object(Bucket=bucket, Key=key, Body=data, **condition)["ETag"]
+            except client.exceptions.ClientError as err:
+                # 412: the condition failed; 404: If-Match on a deleted object; 409: a concurrent
+                # conditional write to the same key.
+                if err.response.get("ResponseMetadata", {}).get("HTTPStatusCode") in (404, 409, 412):
+                    return None
+                raise
+        path = Path(self.resolve(uri)[1])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with self._local_lock(path):
+            current = self._read_local_versioned(path)
+            if (current[1] if current else None) != version:
+                return None
+            self.write_bytes(uri, data)
+            return hashlib.sha256(data).hexdigest()
+
+    def delete_if(self, uri: str, version: str) -> bool:
+        """Delete one object only if it is still at `version`."""
+        if is_s3(uri):
+            client, bucket, key = self._s3_object(uri)
+            try:
+                client.delete_object(Bucket=bucket, Key=key, IfMatch=version)
+                return True
+            except client.exceptions.ClientError as err:
+                if err.response.get("ResponseMetadata", {}).get("HTTPStatusCode") in (404, 409, 412):
+                    return False
+                raise
+        path = Path(self.resolve(uri)[1])
+        with self._local_lock(path):
+            current = self._read_local_versioned(path)
+            if not current or current[1] != version:
+                return False
+            path.unlink()
+            return True
+
+    def _s3_object(self, uri: str):
+        import boto3
+        import botocore.config
+
+        bucket, _, key = uri[len("s3://"):].partition("/")
+        client = boto3.client("s3", endpoint_url=s3_endpoint(self.endpoint), region_name=self.region,
+                              config=botocore.config.Config(connect_timeout=10, read_timeout=30,
+                                                            retries={"mode": "standard", "max_attempts": 5}))
+        return client, bucket, key
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _local_lock(path: Path):
+        # Local compare-and-swap: every conditional writer in the directory holds its one lock
+        # file (a file, not the directory itself: NFS emulates flock with locks that need one).
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.parent / ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+
+    @staticmethod
+    def _read_local_versioned(path: Path) -> Optional[tuple[bytes, str]]:
+        if not path.is_file():
+            return None
+        data = path.read_bytes()
+        return data, hashlib.sha256(data).hexdigest()
 
     # -- trees --------------------------------------------------------------------
     def list_files(self, uri: str, recursive: bool = True) -> list[str]:

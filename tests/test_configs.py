@@ -111,3 +111,72 @@ def test_override_into_a_scalar_is_rejected():
 def test_missing_file_is_named(tmp_path):
     missing = tmp_path / "nope.yaml"
     assert str(missing) in config_error(missing)
+
+
+# Values that used to pass the config and fail later: on the workers after the run had written
+# objects, or (a root of "/" or "") by training happily into the filesystem root or the current
+# directory. Each is now one line at load, naming the key.
+@pytest.mark.parametrize("sets, named", [
+    (["training.seed=-1"], ["training.seed", "greater than or equal to 0"]),
+    (["lora.target_modules=[]"], ["lora.target_modules", "empty"]),
+    (["lora.target_modules=[q_proj, ' ']"], ["lora.target_modules", "a module name is empty"]),
+    (["storage.root_uri="], ["storage.root_uri", "valid string"]),  # YAML null
+    (["storage.root_uri=''"], ["storage.root_uri", "empty"]),
+    (["storage.root_uri=/"], ["storage.root_uri", "'/' is the filesystem root"]),
+    (["storage.root_uri=file:///"], ["storage.root_uri", "filesystem root"]),
+    (["storage.root_uri=."], ["storage.root_uri", "'.'"]),
+    (["storage.root_uri=./"], ["storage.root_uri", "'./'"]),
+    (["storage.root_uri=s3://"], ["storage.root_uri", "names no bucket"]),
+    (["storage.root_uri=s3:///runs"], ["storage.root_uri", "names no bucket"]),
+    (["data.uri=''"], ["data.uri", "empty"]),
+    (["scaling.resources_per_worker={CPU: 1}"], ["scaling.resources_per_worker", "'CPU'", "scaling.cpus_per_worker"]),
+    (["scaling.resources_per_worker={gpu: 1}"], ["scaling.resources_per_worker", "'gpu'", "scaling.gpus_per_worker"]),
+    (["scaling.resources_per_worker={trn1: -1}"], ["scaling.resources_per_worker", "'trn1'", "negative"]),
+    (["scaling.elastic_resize_monitor_interval_s=0"], ["scaling.elastic_resize_monitor_interval_s", "greater than 0"]),
+], ids=lambda v: v[0] if isinstance(v, list) and v and "=" in v[0] else None)
+def test_values_that_used_to_fail_late_are_named_at_load(sets, named):
+    message = config_error(TINY, sets)
+    assert str(TINY) in message
+    for words in named:
+        assert words in message, message
+
+
+@pytest.mark.parametrize("data_uri, root_uri", [
+    ("s3://eft/runs/pydoc", "s3://eft/runs"),  # the dataset inside the runs
+    ("s3://eft/data/pydoc", "s3://eft/data/"),  # the runs hold the dataset (trailing slash)
+    ("s3://eft/data/pydoc", "s3://eft"),  # the whole bucket
+    ("s3://eft/data//pydoc/", "s3://eft/data/pydoc"),  # the same prefix, spelt differently
+    ("{tmp}/a/data", "file://{tmp}/a//"),  # a path and a file:// URI of its parent
+    ("data/pydoc", "data"),  # relative paths, from the current directory
+])
+def test_overlapping_data_and_run_prefixes_are_named(tmp_path, data_uri, root_uri):
+    sets = [f"data.uri={data_uri.format(tmp=tmp_path)}", f"storage.root_uri={root_uri.format(tmp=tmp_path)}"]
+    message = config_error(TINY, sets)
+    assert f"data.uri {data_uri.format(tmp=tmp_path)} and storage.root_uri {root_uri.format(tmp=tmp_path)} overlap" \
+        in message
+
+
+@pytest.mark.parametrize("data_uri, root_uri", [
+    ("s3://eft/data", "s3://eft/data2"),  # a shared string prefix is not a shared tree
+    ("s3://eft/runs2/pydoc", "s3://eft/runs"),
+    ("s3://other/data", "s3://eft/data"),
+    ("{tmp}/data", "{tmp}/data-runs"),
+    ("s3://eft/data", "{tmp}/data"),  # another store altogether
+])
+def test_neighbouring_data_and_run_prefixes_load(tmp_path, data_uri, root_uri):
+    cfg = load_config(TINY, [f"data.uri={data_uri.format(tmp=tmp_path)}",
+                             f"storage.root_uri={root_uri.format(tmp=tmp_path)}"])
+    assert cfg.run_uri.endswith("/tiny-cpu")
+
+
+@pytest.mark.parametrize("root", ["/", "", "."])
+def test_train_with_a_root_of_slash_empty_or_dot_stops_at_the_config(root, capsys, tmp_path, monkeypatch):
+    """What a new user tried: `/` trained into /tiny-cpu and `""` into the current directory, both
+    exiting 0. Now `eft train` stops in one line naming the key, before storage or Ray is touched."""
+    from app.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", str(TINY), "--set", f"storage.root_uri='{root}'"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"eft: error: {TINY}: storage.root_uri: ")
+    assert list(tmp_path.iterdir()) == []  # nothing in the current directory

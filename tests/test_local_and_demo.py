@@ -9,6 +9,7 @@ import re
 import stat
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -102,6 +103,46 @@ def test_local_up_on_a_fresh_home_requires_its_token_and_down_stops_only_its_own
     bystander.kill()
     assert eft("local", "status", "--state-dir", str(state_dir), env=shell).returncode == 1
     assert not (home / ".ray").exists()
+
+
+def test_local_down_leaves_a_recycled_pid_alone(tmp_path):
+    """`eft local down` signals a recorded PID only while its process started when recorded: a PID
+    reused by someone else's process since (here a `sleep`, leader of its own process group as
+    the stack's processes are) survives, with a warning naming it; the stack's own goes."""
+    import psutil
+
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    stranger = subprocess.Popen(["sleep", "120"], start_new_session=True)
+    ours = subprocess.Popen(["sleep", "120"], start_new_session=True)
+    # Reaped the moment it dies, as the stack's orphaned processes are by init.
+    reaper = threading.Thread(target=ours.wait, daemon=True)
+    reaper.start()
+    try:
+        (state_dir / "local.json").write_text(json.dumps({
+            # The PID's first owner started an hour before the process that holds it now.
+            "s3_pid": stranger.pid, "s3_started_at": psutil.Process(stranger.pid).create_time() - 3600.0,
+            "ray_pid": ours.pid, "ray_started_at": psutil.Process(ours.pid).create_time(),
+            "s3_endpoint": "http://127.0.0.1:1", "bucket": "eft", "ray_address": "127.0.0.1:1",
+            "auth_token_path": str(state_dir / "auth_token")}))
+        # This checkout's command line (the console script may belong to another install).
+        cli = [sys.executable, "-m", "app.cli", "local"]
+        shell = fresh_shell(tmp_path / "home")
+        status = subprocess.run([*cli, "status", "--state-dir", str(state_dir)], capture_output=True, text=True,
+                                cwd=ROOT, env=shell, timeout=120)
+        assert status.returncode == 1 and json.loads(status.stdout)["s3_alive"] is False, status.stdout
+        down = subprocess.run([*cli, "down", "--state-dir", str(state_dir)], capture_output=True, text=True,
+                              cwd=ROOT, env=shell, timeout=120)
+        assert down.returncode == 0, down.stderr
+        assert f"PID {stranger.pid} (the stack's s3) is now another process" in down.stderr
+        reaper.join(timeout=30)
+        assert ours.returncode is not None  # the stack's own process was stopped
+        assert stranger.poll() is None and alive(stranger.pid)
+        assert not (state_dir / "local.json").exists()
+    finally:
+        for proc in (stranger, ours):
+            proc.kill()
+        stranger.wait()
 
 
 def test_local_up_uses_the_token_it_is_given(tmp_path):

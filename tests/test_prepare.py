@@ -13,15 +13,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from app.config import JobConfig, build_config
+from app.cli import main
+from app.config import JobConfig, build_config, dump_config
 from app.data.engines import (
     BATCHES_PER_BLOCK, DOCUMENT_SCHEMA, InputFiles, PrepareError, TokenizeDocuments, TokenizerSpec, cgroup_cpu_limit,
     choose_engine, encode_with_backend, export_backend, load_backend, load_tokenizer
 )
+from app.data.lease import READERS_DIR, Lease, LeaseError, build_owner, hold_prepare_lease, hold_reader_lease, lease_uri
 from app.data.manifest import DatasetError, load_manifest, shard_uris
 from app.data.packing import IGNORE_INDEX, encode_texts
 from app.data.prepare import prepare_dataset
-from app.storage import Store
+from app.storage import Store, join
 from app.dev.tiny import build_corpus, save_tiny_base
 
 BASE_URI = "s3://eft/models/tiny-prepare"
@@ -410,3 +412,93 @@ def test_tokenizer_actors_encode_alike_with_the_backend_or_transformers(store, t
     with_backend = TokenizeDocuments(spec._replace(backend_json=export_backend(tokenizer)))(batch)
     assert with_backend.equals(with_transformers)
     assert with_backend["input_ids"][1].as_py() == [] and len(with_backend["input_ids"][2].as_py()) > 2
+
+
+def test_a_tokenizer_uri_without_a_tokenizer_is_named_in_one_line(store, tokenizer, text_docs):
+    """A model dir with no tokenizer files: our line names the URI, not transformers' first line."""
+    store.write_bytes("s3://eft/models/no-tokenizer/config.json", store.read_bytes(f"{BASE_URI}/config.json"))
+    store.write_text("s3://eft/raw/tok/part-0.jsonl", "".join(json.dumps({"text": d}) + "\n"
+                                                           for d in text_docs["part-0.jsonl"]))
+    for uri, what in (("s3://eft/models/no-tokenizer", "no tokenizer there"),
+                      ("s3://eft/models/nothing-here", "nothing there")):
+        cfg = make_config("s3://eft/data/no-tokenizer", "s3://eft/raw/tok/part-0.jsonl", tokenizer_uri=uri,
+                          engine="local")
+        with pytest.raises(PrepareError) as info:
+            prepare_dataset(cfg, store)
+        message = str(info.value)
+        assert message.startswith(f"tokenizer URI {uri}: {what} (") and "prepare.tokenizer_uri" in message
+        assert "\n" not in message
+    assert store.list_files("s3://eft/data/no-tokenizer") == []  # not even the lease is left
+
+
+def write_job(tmp_path, cfg) -> str:
+    path = tmp_path / "job.yaml"
+    path.write_text(dump_config(cfg))
+    return str(path)
+
+
+def test_a_second_prepare_of_a_dataset_fails_naming_the_holder_and_expiry(store, tokenizer, text_docs, tmp_path,
+                                                                         capsys):
+    data_uri = "s3://eft/data/leased"
+    store.write_text("s3://eft/raw/leased/part-0.jsonl", "".join(json.dumps({"text": d}) + "\n"
+                                                              for d in text_docs["part-0.jsonl"]))
+    cfg = make_config(data_uri, "s3://eft/raw/leased/part-0.jsonl", engine="local")
+    with hold_prepare_lease(store, data_uri) as first:
+        assert main(["prepare", write_job(tmp_path, cfg)]) == 1
+        message = capsys.readouterr().err.strip().splitlines()[-1]
+        held = json.loads(store.read_bytes(lease_uri(data_uri)))
+        assert message == (f"eft: error: dataset {data_uri}: held by prepare (pid {first.owner['pid']} on "
+                           f"{first.owner['host']}) until {held['expires_at']} (lease {lease_uri(data_uri)}; "
+                           f"wait for it to finish, or for the lease to expire)")
+        # A run does not start on a dataset being written either; its reader lease is withdrawn.
+        with pytest.raises(LeaseError, match=rf"^{data_uri}: being prepared by prepare \(pid "):
+            hold_reader_lease(store, data_uri, "s3://eft/runs/eager")
+        assert store.list_files(join(data_uri, READERS_DIR)) == []
+        # The create is conditional: of two writers of an absent lease, exactly one wins.
+        assert store.write_if(join(data_uri, "race.json"), b"a", None) is not None
+        assert store.write_if(join(data_uri, "race.json"), b"b", None) is None
+        store.delete_prefix(join(data_uri, "race.json"))
+    assert store.list_files(data_uri) == []  # released
+    assert prepare_dataset(cfg, store)["splits"]["train"]["rows"] > 0
+    assert not store.exists(lease_uri(data_uri))
+
+
+def test_an_expired_lease_is_taken_over_and_its_holder_cannot_commit(store, tokenizer, text_docs):
+    data_uri = "s3://eft/data/lease-expired"
+    store.write_text("s3://eft/raw/lease-expired.jsonl", "".join(json.dumps({"text": d}) + "\n"
+                                                              for d in text_docs["part-0.jsonl"]))
+    # What a prepare that stalled past its lease leaves behind: a lease already expired.
+    stalled = Lease(store, lease_uri(data_uri), build_owner("prepare"), label=f"dataset {data_uri}", ttl_s=-60)
+    stalled.take()
+    cfg = make_config(data_uri, "s3://eft/raw/lease-expired.jsonl", engine="local")
+    assert prepare_dataset(cfg, store)["splits"]["train"]["rows"] > 0
+    # Should the stalled one wake up, its pre-commit check tells it the lease is gone.
+    with pytest.raises(LeaseError, match=rf"^dataset {data_uri}: lease {lease_uri(data_uri)} removed by someone"):
+        stalled.check()
+
+
+def test_an_overwrite_waits_for_the_live_run_that_reads_the_dataset(store, tokenizer, text_docs, tmp_path, capsys):
+    data_uri = "s3://eft/data/read-by-a-run"
+    store.write_text("s3://eft/raw/read-by-a-run.jsonl", "".join(json.dumps({"text": d}) + "\n"
+                                                              for d in text_docs["part-0.jsonl"]))
+    cfg = make_config(data_uri, "s3://eft/raw/read-by-a-run.jsonl", engine="local")
+    first = prepare_dataset(cfg, store)
+    before = store.list_files(data_uri)
+    overwrite = cfg.model_copy(update={"prepare": cfg.prepare.model_copy(update={"overwrite": True})})
+    # A driver that died long ago left an expired reader lease: it holds nothing back.
+    dead = Lease(store, join(data_uri, READERS_DIR, "dead.json"), build_owner("train", run_uri="s3://eft/runs/dead"),
+                 label="reader", ttl_s=-60)
+    dead.take()
+    reader = hold_reader_lease(store, data_uri, "s3://eft/runs/reading")  # what run_training holds
+    try:
+        assert main(["prepare", write_job(tmp_path, overwrite)]) == 1
+        message = capsys.readouterr().err.strip().splitlines()[-1]
+        assert message.startswith(f"eft: error: {data_uri}: read by the live run s3://eft/runs/reading (pid "), message
+        assert "would delete the shards it streams" in message
+        assert load_manifest(store, data_uri) == first
+        assert set(before) <= set(store.list_files(data_uri))  # every shard the run reads is still there
+    finally:
+        reader.stop()
+    assert store.list_files(join(data_uri, READERS_DIR)) == []  # the dead reader was cleared, the live one released
+    second = prepare_dataset(overwrite, store)
+    assert second["splits"]["train"]["shards"][0]["path"] != first["splits"]["train"]["shards"][0]["path"]

@@ -258,9 +258,19 @@ class TokenizeDocuments:
 
 
 def load_tokenizer(store: Store, tokenizer_uri: str):
+    """The tokenizer at `tokenizer_uri` (prepare.tokenizer_uri, else model.uri); a URI without one
+    is one line naming it, not the first line of transformers' several-line guess at why."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(store.cache_locally(tokenizer_uri)))
+    hint = "set prepare.tokenizer_uri to a dir with tokenizer.json or tokenizer_config.json"
+    try:
+        local_dir = store.cache_locally(tokenizer_uri)
+    except StorageError:
+        raise PrepareError(f"tokenizer URI {tokenizer_uri}: nothing there ({hint})") from None
+    try:
+        return AutoTokenizer.from_pretrained(str(local_dir))
+    except (OSError, ValueError, TypeError, KeyError) as err:
+        raise PrepareError(f"tokenizer URI {tokenizer_uri}: no tokenizer there ({type(err).__name__}; {hint})") from None
 
 
 # What transformers runs between `tokenizer(texts, ...)` and the Rust tokenizer, in 4.x and 5.x.

@@ -39,6 +39,7 @@ from app.data.engines import (
     iter_local_tokenized, iter_ray_tokenized, list_input_files, load_chat_format, load_tokenizer, local_thread_count,
     relative_source,
 )
+from app.data.lease import Lease, check_no_live_readers, hold_prepare_lease
 from app.data.manifest import (
     FORMAT_VERSION, SHARDS_PREFIX, commit_manifest, delete_unreferenced_shards, manifest_uri, read_committed_manifest,
     referenced_shard_dirs,
@@ -336,10 +337,20 @@ def prepare_dataset(cfg: JobConfig, store: Optional[Store] = None) -> dict:
         raise PrepareError("config has no `prepare` section (set prepare.input_uri)")
     store = store or Store.from_config(cfg.storage)
     started = time.monotonic()
-    check_not_prepared(cfg, store)
-    hf_tokenizer = load_tokenizer(store, cfg.tokenizer_uri)
-    if cfg.prepare.inputs is not None:
-        return prepare_mixture(cfg, store, hf_tokenizer, started)
+    # One writer per dataset prefix: without the lease, two prepares would each delete the
+    # other's in-progress shards as unreferenced.
+    with hold_prepare_lease(store, cfg.data.uri) as lease:
+        check_not_prepared(cfg, store)
+        if read_committed_manifest(store, cfg.data.uri) is not None:
+            check_no_live_readers(store, cfg.data.uri)
+        hf_tokenizer = load_tokenizer(store, cfg.tokenizer_uri)
+        if cfg.prepare.inputs is not None:
+            return prepare_mixture(cfg, store, hf_tokenizer, started, lease)
+        return prepare_single(cfg, store, hf_tokenizer, started, lease)
+
+
+def prepare_single(cfg: JobConfig, store: Store, hf_tokenizer, started: float, lease: Lease) -> dict:
+    """prepare_dataset for one `prepare.input_uri`, under the dataset's lease."""
     chat = load_chat_format(cfg, store, hf_tokenizer)
     delete_unreferenced_shards(store, cfg.data.uri, referenced_shard_dirs(read_committed_manifest(store, cfg.data.uri)))
     inputs = list_input_files(store, cfg.prepare.input_uri, cfg.prepare.input_format)
@@ -358,6 +369,7 @@ def prepare_dataset(cfg: JobConfig, store: Optional[Store] = None) -> dict:
             raise PrepareError(f"no training rows from {cfg.prepare.input_uri} ({consumer.read} records read, "
                                f"{bad.count} skipped, {consumer.used} used, "
                                f"{splits['validation']['rows']} validation rows)")
+        lease.check()  # a prepare whose lease was taken over must not commit over its successor
     except BaseException:
         store.delete_prefix(join(cfg.data.uri, shard_dir))
         raise
@@ -369,8 +381,9 @@ def prepare_dataset(cfg: JobConfig, store: Optional[Store] = None) -> dict:
     return manifest
 
 
-def prepare_mixture(cfg: JobConfig, store: Store, hf_tokenizer, started: float) -> dict:
-    """prepare_dataset for `prepare.inputs` (app/data/mixing.py): planned, then packed as one input."""
+def prepare_mixture(cfg: JobConfig, store: Store, hf_tokenizer, started: float, lease: Lease) -> dict:
+    """prepare_dataset for `prepare.inputs` (app/data/mixing.py): planned, then packed as one input,
+    under the dataset's lease."""
     from app.data.mixing import Mixture
 
     delete_unreferenced_shards(store, cfg.data.uri, referenced_shard_dirs(read_committed_manifest(store, cfg.data.uri)))
@@ -388,6 +401,7 @@ def prepare_mixture(cfg: JobConfig, store: Store, hf_tokenizer, started: float) 
         if not splits["train"]["rows"]:
             raise PrepareError(f"no training rows from {input_label(cfg)} ({consumer.used} documents used, "
                                f"{splits['validation']['rows']} validation rows)")
+        lease.check()
     except BaseException:
         store.delete_prefix(join(cfg.data.uri, shard_dir))
         raise

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
+import psutil
+
 from app.cluster import AUTH_MODE_ENV, TOKEN_ENV, TOKEN_PATH_ENV, default_num_cpus, write_token
 
 # The emulator accepts any key pair; these are not secrets, and real runs never see them.
@@ -28,6 +31,8 @@ LOCAL_S3_ENV = {
     "AWS_DEFAULT_REGION": "us-east-1",
 }
 DEFAULT_BUCKET = "eft"
+
+log = logging.getLogger("eft.local")
 
 
 def find_free_port() -> int:
@@ -162,12 +167,24 @@ def read_state(state_dir: Path) -> Optional[dict]:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def _alive(pid: int) -> bool:
+def process_start_time(pid: int) -> Optional[float]:
+    """When the process `pid` started (seconds since the epoch), None if there is none."""
     try:
-        os.killpg(pid, 0)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
+        return psutil.Process(pid).create_time()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+def is_our_process(pid: int, started_at: Optional[float]) -> bool:
+    """True while `pid` is still the process that started at `started_at`: a PID alone may have
+    been recycled for someone else's process since the state file was written."""
+    now = process_start_time(pid)
+    # Both readings come from the same kernel clock ticks; the tolerance only absorbs float rounding.
+    return now is not None and started_at is not None and abs(now - started_at) < 0.05
+
+
+def _alive(state: dict, name: str) -> bool:
+    return is_our_process(state[f"{name}_pid"], state.get(f"{name}_started_at"))
 
 
 def up(state_dir: Path, num_cpus: Optional[int] = None, s3_port: Optional[int] = None,
@@ -178,7 +195,7 @@ def up(state_dir: Path, num_cpus: Optional[int] = None, s3_port: Optional[int] =
     state_dir = Path(state_dir).absolute()
     state_dir.mkdir(parents=True, exist_ok=True)
     state = read_state(state_dir)
-    if state and _alive(state["s3_pid"]) and _alive(state["ray_pid"]):
+    if state and _alive(state, "s3") and _alive(state, "ray"):
         return state
     if state:
         down(state_dir)
@@ -224,6 +241,7 @@ def up(state_dir: Path, num_cpus: Optional[int] = None, s3_port: Optional[int] =
     state = {
         "s3_pid": s3.proc.pid, "s3_endpoint": s3.endpoint, "bucket": bucket,
         "ray_pid": ray_proc.pid, "ray_address": f"127.0.0.1:{ray_port}", "num_cpus": num_cpus,
+        "s3_started_at": process_start_time(s3.proc.pid), "ray_started_at": process_start_time(ray_proc.pid),
         "dashboard_url": f"http://127.0.0.1:{dashboard_port}", "auth_token_path": str(token_path),
     }
     state_file(state_dir).write_text(json.dumps(state, indent=2))
@@ -231,12 +249,18 @@ def up(state_dir: Path, num_cpus: Optional[int] = None, s3_port: Optional[int] =
 
 
 def down(state_dir: Path) -> Optional[dict]:
-    """Stop exactly the processes `up` started (their process groups), nothing else."""
+    """Stop exactly the processes `up` started (their process groups), nothing else: a recorded
+    PID whose process started at another time than recorded belongs to someone else now."""
     state = read_state(state_dir)
     if not state:
         return None
-    stop_pid(state["ray_pid"])
-    stop_pid(state["s3_pid"])
+    for name in ("ray", "s3"):
+        pid = state[f"{name}_pid"]
+        if _alive(state, name):
+            stop_pid(pid)
+        elif process_start_time(pid) is not None:
+            log.warning("local: PID %d (the stack's %s) is now another process (started %s, recorded %s); "
+                        "left alone", pid, name, process_start_time(pid), state.get(f"{name}_started_at"))
     state_file(state_dir).unlink(missing_ok=True)
     return state
 
@@ -245,4 +269,4 @@ def status(state_dir: Path) -> Optional[dict]:
     state = read_state(state_dir)
     if not state:
         return None
-    return {**state, "s3_alive": _alive(state["s3_pid"]), "ray_alive": _alive(state["ray_pid"])}
+    return {**state, "s3_alive": _alive(state, "s3"), "ray_alive": _alive(state, "ray")}

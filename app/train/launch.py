@@ -12,11 +12,13 @@ import time
 
 from app.cluster import init_ray
 from app.config import JobConfig, dump_config
+from app.data.lease import check_not_being_prepared, hold_reader_lease
 from app.data.manifest import load_manifest
 from app.data.stream import document_isolation
 from app.storage import Store, join
 from app.summary import build_summary, write_summary
 from app.train import checkpoint as ckpt
+from app.train.architecture import check_lora_targets, check_seq_len, load_model_config
 from app.train.elastic import NodeWatcher, build_refresh_callback
 from app.train.sinks import mlflow_settings
 from app.train.model import ModelError
@@ -30,6 +32,7 @@ def preflight(cfg: JobConfig, store: Store) -> dict:
         store.check_reachable(uri)
     if not store.exists(join(cfg.model.uri, "config.json")):
         raise ModelError(f"{cfg.model.uri}: not a Hugging Face model dir (no config.json)")
+    check_not_being_prepared(store, cfg.data.uri)
     manifest = load_manifest(store, cfg.data.uri)
     if manifest["seq_len"] != cfg.data.seq_len:
         raise ValueError(f"data.seq_len {cfg.data.seq_len} != seq_len {manifest['seq_len']} of the dataset "
@@ -39,6 +42,14 @@ def preflight(cfg: JobConfig, store: Store) -> dict:
     if train_rows < cfg.training.global_batch_size:
         raise ValueError(f"training.global_batch_size {cfg.training.global_batch_size} exceeds the "
                          f"{train_rows} train rows of {cfg.data.uri}")
+    if cfg.training.eval_every_steps and not manifest["splits"].get("validation", {}).get("rows"):
+        raise ValueError(f"training.eval_every_steps {cfg.training.eval_every_steps}: the dataset at {cfg.data.uri} "
+                         f"has no validation rows (prepare it with data.validation_fraction > 0, or unset "
+                         f"training.eval_every_steps)")
+    model_config = load_model_config(store, cfg.model.uri)
+    check_seq_len(cfg.data.seq_len, model_config, cfg.model.uri)
+    if cfg.lora is not None:
+        check_lora_targets(cfg.lora, model_config, cfg.model.uri)
     return manifest
 
 
@@ -85,6 +96,8 @@ def run_training(cfg: JobConfig, store: Store | None = None, train_fn=None) -> d
     store.write_text(join(cfg.run_uri, "config.yaml"), dump_config(cfg))
     ckpt.record_event(store, cfg.run_uri, "driver_start", resumed=resumed)
     status, error = "succeeded", None
+    # While the driver lives, a prepare may not replace the dataset the workers stream.
+    reader = hold_reader_lease(store, cfg.data.uri, cfg.run_uri)
     watcher = NodeWatcher().start() if cfg.scaling.min_workers < cfg.scaling.max_workers else None
     try:
         build_trainer(cfg, store, train_fn).fit()
@@ -93,6 +106,7 @@ def run_training(cfg: JobConfig, store: Store | None = None, train_fn=None) -> d
     finally:
         if watcher:
             watcher.stop()
+        reader.stop()
     summary = build_summary(store, cfg, status=status, wall_s=time.time() - started,
                             error=None if error is None else f"{type(error).__name__}: {error}")
     write_summary(store, cfg.run_uri, summary)
