@@ -17,7 +17,6 @@ selection) reads the JSON sidecar and file listings, and never unpickles anythin
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 import time
@@ -47,10 +46,7 @@ def build_sidecar(files: dict[str, int], *, step: int, world_size: int, lineage:
 
 
 def write_sidecar(local_dir: Path, sidecar: dict) -> None:
-    # Renamed into place: a reader of the local dir (Ray's uploader) never sees half of it.
-    tmp = Path(local_dir) / f".{SIDECAR}.tmp"
-    tmp.write_text(json.dumps(sidecar, indent=2) + "\n")
-    os.replace(tmp, Path(local_dir) / SIDECAR)
+    (Path(local_dir) / SIDECAR).write_text(json.dumps(sidecar, indent=2) + "\n")
 
 
 def list_local_files(local_dir: Path) -> dict[str, int]:
@@ -95,13 +91,13 @@ def is_complete(store: Store, ckpt_uri: str) -> bool:
 
 
 def check_local_copy(local_dir: Path, files: dict[str, int], ckpt_uri: str) -> None:
-    """A downloaded checkpoint still matches the sidecar it was judged complete by (it was not
+    """A downloaded checkpoint still matches the sidecar it was judged complete by (nothing was
     replaced in between): checked before DCP unpickles its metadata."""
     have = list_local_files(local_dir)
     for name, size in files.items():
         if have.get(name) != size:
-            raise StorageError(f"{ckpt_uri}: {name} changed while downloading (now {have.get(name)} bytes, "
-                               f"{SIDECAR} says {size})")
+            raise StorageError(f"{ckpt_uri}: {name} changed since it was judged complete ({have.get(name)} "
+                               f"bytes downloaded, {SIDECAR} says {size})")
 
 
 def list_checkpoints(store: Store, run_uri: str) -> list[str]:
@@ -155,7 +151,8 @@ def save(cfg, store: Store, model, optimizer, *, step: int, rows_consumed: int, 
     """Every rank writes its DCP shards to a local dir; Ray Train uploads and merges them into
     `<run>/checkpoint-<step>/` and registers the checkpoint only once every rank's part is up.
     Rank 0 adds train_state.json and, last, the sidecar listing every rank's files (a collective:
-    every rank calls this). `lineage` ({"dataset", "identity"}, see app.train.resume) goes into both."""
+    every rank calls this). `lineage` ({"dataset", "identity"}, see app.train.resume) goes into the
+    sidecar, and its dataset into train_state.json too."""
     import ray.train
     import torch.distributed.checkpoint as dcp
     from ray.train import Checkpoint
