@@ -121,9 +121,11 @@ def check_resume(cfg, store: Store, manifest: Optional[dict] = None) -> None:
 
 
 def check_same_dataset(cfg, source: str, old: dict, new: dict) -> None:
-    if old.get("uri") == new["uri"] and old.get("fingerprint") in (None, new["fingerprint"]):
-        return  # the same data (an older checkpoint without a fingerprint is taken at its URI's word)
-    was = f"dataset {short(old['fingerprint'])} at {old.get('uri')}" if old.get("fingerprint") else old.get("uri")
+    if not old.get("uri"):
+        return  # nothing recorded to compare with
+    if old["uri"] == new["uri"] and old.get("fingerprint") in (None, new["fingerprint"]):
+        return  # the same data (a checkpoint without a fingerprint is taken at its URI's word)
+    was = f"dataset {short(old['fingerprint'])} at {old['uri']}" if old.get("fingerprint") else old["uri"]
     message = (f"run {cfg.run_uri} was trained on {was} (per {source}), but data.uri {new['uri']} now holds "
                f"dataset {short(new['fingerprint'])}")
     if cfg.checkpoint.resume_on_new_data:
