@@ -160,7 +160,7 @@ def test_resume_with_another_identity_is_refused_naming_the_keys(trained):
     assert store.read_text(join(cfg.run_uri, "config.yaml")) == stored_config
 
     refusals = {
-        "model.uri s3://eft/models/tiny-trust → s3://eft/models/elsewhere": make_cfg("trusted", model={"uri": "s3://eft/models/elsewhere"}),
+        f"model.uri {BASE} → s3://eft/models/other": make_cfg("trusted", model={"uri": "s3://eft/models/other"}),
         "lora r=4 → off": make_cfg("trusted", lora=None),
         "lora.alpha 8.0 → 16.0, lora.target_modules ['q_proj', 'v_proj'] → ['o_proj', 'q_proj', 'v_proj']":
             make_cfg("trusted", lora={"alpha": 16, "target_modules": ["q_proj", "v_proj", "o_proj"]}),
@@ -170,6 +170,16 @@ def test_resume_with_another_identity_is_refused_naming_the_keys(trained):
         with pytest.raises(ResumeError, match="cannot resume") as info:
             check_resume(other, store)
         assert change in str(info.value)
+    # Checkpoints without a sidecar (an older eft; Ray Train may still resume one it registered):
+    # the run's stored config.yaml decides.
+    legacy = make_cfg("legacy")
+    legacy_ckpt = join(legacy.run_uri, ckpt.checkpoint_dir_name(2))
+    copy_tree(store, join(cfg.run_uri, "config.yaml"), join(legacy.run_uri, "config.yaml"))
+    copy_tree(store, join(cfg.run_uri, ckpt.checkpoint_dir_name(2)), legacy_ckpt)
+    store.delete_prefix(join(legacy_ckpt, ckpt.SIDECAR))
+    with pytest.raises(ResumeError, match=f"lora.r 4 → 8 \\(per {legacy.run_uri}/config.yaml\\)"):
+        check_resume(make_cfg("legacy", lora={"r": 8}), store)
+    check_resume(legacy, store)
     # Knobs that leave the checkpoint meaningful may change on a resume.
     check_resume(make_cfg("trusted", lora={"target_modules": ["v_proj", "q_proj"], "dropout": 0.1},
                           training={"max_steps": 50, "lr": 1e-3, "global_batch_size": 8, "parallelism": "ddp"},
