@@ -115,7 +115,7 @@ def cmd_demo(args) -> int:
     from app.dev.demo import run_demo
 
     return run_demo(config_path=args.config, state_dir=Path(args.state_dir), max_steps=args.max_steps,
-                    keep_stack=args.keep_stack)
+                    keep_stack=args.keep_stack, allow_remote_bucket=args.allow_remote_bucket)
 
 
 def cmd_manifests(args) -> int:
@@ -217,6 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-dir", default=".eft")
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--keep-stack", action="store_true", help="leave the local stack running afterwards")
+    p.add_argument("--allow-remote-bucket", action="store_true",
+                   help="write the demo's s3:// URIs on a non-loopback endpoint (only for a bucket you own)")
     p.set_defaults(fn=cmd_demo)
     p = sub.add_parser("manifests", help="render KubeRay RayJob/RayCluster/ConfigMap, or --check manifests")
     p.add_argument("config", nargs="?", help="job YAML to render")

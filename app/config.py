@@ -235,6 +235,9 @@ class CheckpointConfig(_Strict):
     # Ask Ray Train every step whether a node of the run is being preempted (a cheap barrier);
     # on the first notice save a just-in-time checkpoint and keep training until the node goes.
     on_preemption: bool = True
+    # Resuming a run on another dataset (another data.uri, or the same one prepared anew) is
+    # refused unless this says to continue on the new data from the checkpoint's step.
+    resume_on_new_data: bool = False
 
 
 class ScalingConfig(_Strict):

@@ -23,7 +23,8 @@ from typing import Optional
 
 from app.config import JobConfig
 from app.storage import Store, StorageError, join
-from app.train.checkpoint import find_latest_checkpoint, is_complete, load_train_state
+from app.train.checkpoint import (check_complete, check_local_copy, find_latest_checkpoint, load_sidecar,
+                                  load_train_state)
 from app.train.model import ModelError, check_model_dir, load_pretrained
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ def export_run(cfg: JobConfig, checkpoint_uri: Optional[str] = None, merge: bool
     and the URI of each output tree.
     """
     store = store or Store.from_config(cfg.storage)
+    # Judged complete from its JSON sidecar alone: nothing of it is unpickled before that.
     ckpt_uri = pick_checkpoint(store, cfg.run_uri, checkpoint_uri)
     step = load_train_state(store, ckpt_uri).get("step")
     kinds = [ADAPTER, MERGED] if cfg.lora and merge else [ADAPTER] if cfg.lora else [MERGED]
@@ -95,9 +97,9 @@ def pick_checkpoint(store: Store, run_uri: str, checkpoint_uri: Optional[str]) -
             raise ExportError(f"{run_uri}: no complete checkpoint to export")
         return latest
     checkpoint_uri = checkpoint_uri.rstrip("/")
-    if not is_complete(store, checkpoint_uri):
-        raise ExportError(f"{checkpoint_uri}: not a complete checkpoint (missing train_state.json, "
-                          f".metadata or a shard it names)")
+    problem = check_complete(store, checkpoint_uri)
+    if problem is not None:
+        raise ExportError(f"{checkpoint_uri}: not a complete checkpoint ({problem})")
     return checkpoint_uri
 
 
@@ -127,7 +129,9 @@ def build_export_model(cfg: JobConfig, base_dir: Path):
 
 def load_checkpoint_weights(store: Store, model, ckpt_uri: str, trainable_only: bool) -> None:
     """Read the checkpoint's "model" entry into `model`; its "optim" entry is never requested,
-    and the default planner reads only the keys of the state dict it is given."""
+    and the default planner reads only the keys of the state dict it is given. DCP unpickles the
+    checkpoint's metadata: the checkpoint was judged complete from its sidecar first, and the
+    local copy is checked against that sidecar before the load."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
@@ -135,7 +139,12 @@ def load_checkpoint_weights(store: Store, model, ckpt_uri: str, trainable_only: 
 
     state = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=trainable_only))
     with tempfile.TemporaryDirectory(prefix="eft-export-ckpt-") as local:
+        files = load_sidecar(store, ckpt_uri)["files"]
         store.download_dir(ckpt_uri, local)
+        try:
+            check_local_copy(Path(local), files, ckpt_uri)
+        except StorageError as err:
+            raise ExportError(str(err)) from None
         try:
             with warnings.catch_warnings():
                 # Loading in one process without a process group is the intent here, not a slip.

@@ -1,8 +1,8 @@
 """Export against a real S3 endpoint, loaded back with real PEFT / transformers.
 
 Checkpoints are written the way training writes them (DCP of {"model": trainable params,
-"optim": optimizer state} plus train_state.json under <run>/checkpoint-<step>/), only from
-one process instead of a Ray worker group.
+"optim": optimizer state} plus train_state.json and the checkpoint.json sidecar under
+<run>/checkpoint-<step>/), only from one process instead of a Ray worker group.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from app.config import build_config
 from app.export import ExportError, export_run
 from app.storage import Store, join
 from app.dev.tiny import build_corpus, save_tiny_base
-from app.train.checkpoint import checkpoint_dir_name, find_latest_checkpoint
+from app.train.checkpoint import (SIDECAR, build_sidecar, checkpoint_dir_name, find_latest_checkpoint,
+                                  list_local_files, write_sidecar)
 from app.train.model import build_peft_config
 
 # The test writes checkpoints from one process, which DCP supports but warns about.
@@ -91,7 +92,8 @@ def write_checkpoint(store: Store, run_uri: str, model, optim, step: int, traina
     with tempfile.TemporaryDirectory() as tmp:
         dcp.save(state, checkpoint_id=tmp, no_dist=True)
         Path(tmp, "train_state.json").write_text(json.dumps({"step": step, "rows_consumed": step * 8, "seed": 0}))
-        store.upload_dir(tmp, uri, last=("train_state.json",))
+        write_sidecar(Path(tmp), build_sidecar(list_local_files(Path(tmp)), step=step, world_size=1))
+        store.upload_dir(tmp, uri, last=(SIDECAR,))
     return uri
 
 
@@ -256,7 +258,7 @@ def test_incomplete_checkpoint_is_skipped_and_rejected_when_named(base_uri):
     assert export_run(cfg, store=store)["checkpoint_uri"] == good
     with pytest.raises(ExportError, match="checkpoint-00000010") as info:
         export_run(cfg, checkpoint_uri=bad, store=store)
-    assert "\n" not in str(info.value)
+    assert f"{shard} is missing" in str(info.value) and "\n" not in str(info.value)
 
 
 def test_checkpoint_from_a_different_lora_shape_is_an_error_naming_it(lora_run, base_uri):

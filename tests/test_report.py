@@ -23,7 +23,8 @@ from app.data.manifest import FORMAT_VERSION, manifest_uri
 from app.report import NO_VALIDATION_NOTE, build_status, load_run, run_state, save_report
 from app.storage import Store, join
 from app.summary import build_summary, write_summary
-from app.train.checkpoint import TRAIN_STATE, checkpoint_dir_name, record_event
+from app.train.checkpoint import (TRAIN_STATE, build_sidecar, checkpoint_dir_name, list_local_files, record_event,
+                                  write_sidecar)
 from app.train.metrics import METRICS_FILE, Heartbeat, MetricsLog, StepTimer
 
 ROOT = "s3://eft/test-report/runs"
@@ -90,7 +91,7 @@ def run_steps(store: Store, cfg, heartbeat: Heartbeat, world: int, first: int, l
 
 
 def save_checkpoint(store: Store, run_uri: str, step: int, world: int) -> None:
-    """A real (one-process) DCP checkpoint plus train_state.json, as Ray Train uploads it."""
+    """A real (one-process) DCP checkpoint plus train_state.json and its sidecar, as Ray Train uploads it."""
     import torch
     import torch.distributed.checkpoint as dcp
 
@@ -100,6 +101,7 @@ def save_checkpoint(store: Store, run_uri: str, step: int, world: int) -> None:
         dcp.save({"model": {"lora_A": torch.full((2, 2), float(step))}}, checkpoint_id=local)
         Path(local, TRAIN_STATE).write_text(json.dumps({"step": step, "rows_consumed": step * GLOBAL_BATCH,
                                                         "world_size": world, "seed": 0}))
+        write_sidecar(Path(local), build_sidecar(list_local_files(Path(local)), step=step, world_size=world))
         store.upload_dir(local, join(run_uri, checkpoint_dir_name(step)))
 
 

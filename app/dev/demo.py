@@ -11,15 +11,17 @@ asked of the base and of the exported model through its own chat template → su
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import tempfile
+from urllib.parse import urlsplit
 from pathlib import Path
 from typing import Optional
 
 from app.dev import local
 from app.config import load_config
-from app.storage import Store, join
+from app.storage import Store, is_s3, join, s3_endpoint
 
 log = logging.getLogger("eft.demo")
 CONFIGS = Path(__file__).resolve().parents[2] / "jobs" / "configs"
@@ -27,6 +29,46 @@ DEFAULT_CONFIG = CONFIGS / "tiny-chat.yaml"
 TEXT_CONFIG = CONFIGS / "tiny-cpu.yaml"
 QUESTION = 'What is the "assert" statement?'
 CHAT_FORMATS = ("chat", "sharegpt")
+
+
+class DemoBucketError(RuntimeError):
+    """The demo was pointed at a bucket it would not own, reported as one line naming it."""
+
+
+def is_loopback_endpoint(endpoint: Optional[str]) -> bool:
+    if not endpoint:
+        return False  # the default AWS endpoint
+    host = urlsplit(endpoint if "://" in endpoint else f"http://{endpoint}").hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def demo_uris(cfg) -> list[str]:
+    """Every URI the demo writes to (inputs it seeds, the dataset, the run and its export)."""
+    uris = [cfg.model.uri, cfg.data.uri, cfg.storage.root_uri]
+    if cfg.prepare is not None:
+        uris += [cfg.prepare.input_uri] if cfg.prepare.input_uri else [s.uri for s in cfg.prepare.inputs or []]
+    return uris
+
+
+def check_demo_bucket(cfg, store: Store, allow_remote: bool = False) -> None:
+    """The demo writes under its config's s3:// URIs (`s3://eft/...` by default). On the local stack
+    that bucket is the one the stack created; anywhere else it is somebody's (`eft` is a public
+    bucket name eft does not own), so the demo refuses unless told the bucket is the user's."""
+    endpoint = s3_endpoint(store.endpoint)
+    if allow_remote or is_loopback_endpoint(endpoint):
+        return
+    for uri in demo_uris(cfg):
+        if is_s3(uri):
+            bucket = uri[len("s3://"):].split("/", 1)[0]
+            raise DemoBucketError(
+                f"demo: refusing to write to s3://{bucket} at {endpoint or 'the default AWS endpoint'}, which is "
+                f"not a loopback endpoint (the demo writes only to its local stack; pass --allow-remote-bucket "
+                f"if s3://{bucket} there is yours)")
 
 
 def ensure_inputs(cfg, store: Store, cache_dir: Optional[Path] = None) -> Optional[dict]:
@@ -63,7 +105,9 @@ def cache_dir_for(state_dir: Path) -> Path:
 def seed_local_stack(store: Store, cache_dir: Optional[Path] = None) -> None:
     """What `eft local up` seeds: the inputs of the demo's chat job and of the text job."""
     for path in (DEFAULT_CONFIG, TEXT_CONFIG):
-        ensure_inputs(load_config(path), store, cache_dir=cache_dir)
+        cfg = load_config(path)
+        check_demo_bucket(cfg, store)
+        ensure_inputs(cfg, store, cache_dir=cache_dir)
 
 
 def chat_reply(model_uri: str, store: Store, question: str = QUESTION, max_new_tokens: int = 200) -> str:
@@ -108,7 +152,7 @@ def generate_sample(merged_uri: str, store: Store, prompt: str = "The import sta
 
 
 def run_demo(config_path: Optional[str] = None, state_dir: Path = Path(".eft"), max_steps: Optional[int] = None,
-             keep_stack: bool = False) -> int:
+             keep_stack: bool = False, allow_remote_bucket: bool = False) -> int:
     from app.data.manifest import read_committed_manifest
     from app.data.prepare import prepare_dataset
     from app.export import export_run
@@ -127,6 +171,7 @@ def run_demo(config_path: Optional[str] = None, state_dir: Path = Path(".eft"), 
         log.info("local stack up: S3 %s, Ray %s", state["s3_endpoint"], state["ray_address"])
     try:
         store = Store.from_config(cfg.storage)
+        check_demo_bucket(cfg, store, allow_remote_bucket)  # before the first write
         chat = cfg.prepare.format in CHAT_FORMATS
         pretrained = ensure_inputs(cfg, store, cache_dir=cache_dir_for(state_dir))
         if chat:

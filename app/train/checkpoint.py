@@ -3,14 +3,20 @@
 Layout of one checkpoint directory (`<run>/checkpoint-<step:08d>/`, written by every rank
 through Ray Train, which merges the ranks' files into one directory):
   .metadata, __<rank>_0.distcp   DCP of {"model": trainable params, "optim": optimizer}
-  train_state.json               step, rows consumed, seed, world size, scheduler (rank 0)
+  train_state.json               step, rows consumed, seed, world size, dataset (rank 0)
+  checkpoint.json                the sidecar (rank 0, written last): every other file's name and
+                                 size across all ranks, step, world size, dataset, run identity
 For LoRA the model entry holds the adapters only: the frozen base is reloaded from its URI.
+
+A bucket is a trust boundary: DCP's `.metadata` is a pickle, so whoever can write the bucket can
+run code in whoever unpickles it. Loading a checkpoint into training or export does (DCP has no
+other format); everything that only looks at a run (status, report, the completeness check, resume
+selection) reads the JSON sidecar and file listings, and never unpickles anything.
 """
 
 from __future__ import annotations
 
 import json
-import pickle
 import shutil
 import tempfile
 import time
@@ -19,9 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from app.storage import Store, join
+from app.storage import Store, StorageError, join
 
 TRAIN_STATE = "train_state.json"
+SIDECAR = "checkpoint.json"
+DCP_METADATA = ".metadata"
+SIDECAR_VERSION = 1
 CHECKPOINT_PREFIX = "checkpoint-"
 
 
@@ -29,21 +38,66 @@ def checkpoint_dir_name(step: int) -> str:
     return f"{CHECKPOINT_PREFIX}{step:08d}"
 
 
-def is_complete(store: Store, ckpt_uri: str) -> bool:
-    """Complete = train_state.json, DCP metadata, and every file the metadata refers to, each at
-    least as long as the last byte the metadata reads from it. A checkpoint whose upload was
-    cut off fails this and is never loaded."""
+def build_sidecar(files: dict[str, int], *, step: int, world_size: int, lineage: Optional[dict] = None) -> dict:
+    """The sidecar of one checkpoint: `files` is {relative path: size in bytes} of every file the
+    ranks wrote (the sidecar itself excluded); `lineage` adds what it was trained from."""
+    return {"format_version": SIDECAR_VERSION, "step": step, "world_size": world_size,
+            "files": dict(sorted(files.items())), **(lineage or {}), "saved_at": time.time()}
+
+
+def write_sidecar(local_dir: Path, sidecar: dict) -> None:
+    (Path(local_dir) / SIDECAR).write_text(json.dumps(sidecar, indent=2) + "\n")
+
+
+def list_local_files(local_dir: Path) -> dict[str, int]:
+    root = Path(local_dir)
+    return {p.relative_to(root).as_posix(): p.stat().st_size for p in root.rglob("*") if p.is_file()}
+
+
+def load_sidecar(store: Store, ckpt_uri: str) -> dict:
+    sidecar = store.read_json(join(ckpt_uri, SIDECAR))
+    if not isinstance(sidecar, dict) or not isinstance(sidecar.get("files"), dict):
+        raise StorageError(f"{join(ckpt_uri, SIDECAR)}: no files listed")
+    return sidecar
+
+
+def check_complete(store: Store, ckpt_uri: str) -> Optional[str]:
+    """None if the checkpoint is complete, else why not (a phrase for a one-line message).
+
+    Complete = the sidecar is there, lists train_state.json and the DCP metadata, and every file
+    it lists is in storage with exactly the size it had when saved. Ray Train uploads each rank's
+    files in no fixed order, so until the last byte of the last rank is up some listed file is
+    missing or short, and an upload cut off halfway never passes. Nothing here unpickles."""
     sizes = store.list_file_sizes(ckpt_uri)
-    if TRAIN_STATE not in sizes or ".metadata" not in sizes:
-        return False
+    if SIDECAR not in sizes:
+        return f"no {SIDECAR} (an upload cut off, or saved by an eft without sidecars)"
     try:
-        meta = pickle.loads(store.read_bytes(join(ckpt_uri, ".metadata")))
-    except Exception:
-        return False
-    needed: dict[str, int] = {}
-    for info in (meta.storage_data or {}).values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    return all(sizes.get(path, -1) >= end for path, end in needed.items())
+        files = load_sidecar(store, ckpt_uri)["files"]
+    except StorageError as err:
+        return str(err)
+    for needed in (TRAIN_STATE, DCP_METADATA):
+        if needed not in files:
+            return f"{SIDECAR} lists no {needed}"
+    for name, size in files.items():
+        if name not in sizes:
+            return f"{name} is missing"
+        if sizes[name] != size:
+            return f"{name} is {sizes[name]} bytes, {SIDECAR} says {size}"
+    return None
+
+
+def is_complete(store: Store, ckpt_uri: str) -> bool:
+    return check_complete(store, ckpt_uri) is None
+
+
+def check_local_copy(local_dir: Path, files: dict[str, int], ckpt_uri: str) -> None:
+    """A downloaded checkpoint still matches the sidecar it was judged complete by (nothing was
+    replaced in between): checked before DCP unpickles its metadata."""
+    have = list_local_files(local_dir)
+    for name, size in files.items():
+        if have.get(name) != size:
+            raise StorageError(f"{ckpt_uri}: {name} changed since it was judged complete ({have.get(name)} "
+                               f"bytes downloaded, {SIDECAR} says {size})")
 
 
 def list_checkpoints(store: Store, run_uri: str) -> list[str]:
@@ -93,28 +147,54 @@ def build_app_state(model, optimizer, lora: bool) -> dict:
 
 
 def save(cfg, store: Store, model, optimizer, *, step: int, rows_consumed: int, world_size: int,
-         metrics: Optional[dict], rank: int) -> None:
+         metrics: Optional[dict], rank: int, lineage: Optional[dict] = None) -> None:
     """Every rank writes its DCP shards to a local dir; Ray Train uploads and merges them into
-    `<run>/checkpoint-<step>/` and registers the checkpoint only once every rank's part is up."""
+    `<run>/checkpoint-<step>/` and registers the checkpoint only once every rank's part is up.
+    Rank 0 adds train_state.json and, last, the sidecar listing every rank's files (a collective:
+    every rank calls this). `lineage` ({"dataset", "identity"}, see app.train.resume) goes into the
+    sidecar, and its dataset into train_state.json too."""
     import ray.train
     import torch.distributed.checkpoint as dcp
     from ray.train import Checkpoint
     from ray.train.v2.api.report_config import CheckpointUploadMode
 
+    lineage = lineage or {}
     local = Path(tempfile.mkdtemp(prefix=f"eft-ckpt-{step:08d}-r{rank}-"))
     dcp.save(build_app_state(model, optimizer, cfg.lora is not None), checkpoint_id=str(local))
     if rank == 0:
         (local / TRAIN_STATE).write_text(json.dumps({
             "step": step, "rows_consumed": rows_consumed, "world_size": world_size,
             "seed": cfg.training.seed, "global_batch_size": cfg.training.global_batch_size,
-            "lora": cfg.lora is not None, "saved_at": time.time(),
+            "lora": cfg.lora is not None, "dataset": lineage.get("dataset"), "saved_at": time.time(),
         }, indent=2))
+    files = gather_file_sizes(local, step)
+    if rank == 0:
+        write_sidecar(local, build_sidecar(files, step=step, world_size=world_size, lineage=lineage))
     mode = CheckpointUploadMode.ASYNC if cfg.checkpoint.async_upload else CheckpointUploadMode.SYNC
     ray.train.report(dict(metrics or {"step": step}), checkpoint=Checkpoint.from_directory(str(local)),
                      checkpoint_dir_name=checkpoint_dir_name(step), checkpoint_upload_mode=mode,
                      delete_local_checkpoint_after_upload=True)
     if mode == CheckpointUploadMode.SYNC:
         shutil.rmtree(local, ignore_errors=True)
+
+
+def gather_file_sizes(local_dir: Path, step: int) -> dict[str, int]:
+    """{name: size} of the files every rank wrote for this checkpoint, as Ray Train will merge
+    them into one directory. Sizes come from the ranks' own fresh files, never from storage."""
+    import torch.distributed as dist
+
+    mine = list_local_files(local_dir)
+    if not dist.is_initialized():
+        return mine
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    merged: dict[str, int] = {}
+    for part in parts:
+        for name, size in part.items():
+            if name in merged:
+                raise RuntimeError(f"checkpoint {checkpoint_dir_name(step)}: two ranks wrote {name}")
+            merged[name] = size
+    return merged
 
 
 def select_resume_checkpoint(registered, store: Store, run_uri: str, rank: int):
@@ -163,7 +243,7 @@ def restore(checkpoint, model, optimizer, lora: bool) -> RestoredState:
 
     with checkpoint.as_directory() as local:
         state_file = Path(local) / TRAIN_STATE
-        if not state_file.exists() or not (Path(local) / ".metadata").exists():
+        if not state_file.exists() or not (Path(local) / DCP_METADATA).exists():
             raise RuntimeError(f"checkpoint {checkpoint.path} is incomplete (no {TRAIN_STATE} or .metadata)")
         train_state = json.loads(state_file.read_text())
         app_state = build_app_state(model, optimizer, lora)

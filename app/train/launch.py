@@ -22,6 +22,7 @@ from app.train.architecture import check_lora_targets, check_seq_len, load_model
 from app.train.elastic import NodeWatcher, build_refresh_callback
 from app.train.sinks import mlflow_settings
 from app.train.model import ModelError
+from app.train.resume import check_resume
 
 log = logging.getLogger("eft.launch")
 
@@ -89,6 +90,7 @@ def run_training(cfg: JobConfig, store: Store | None = None, train_fn=None) -> d
     worker loop (tests inject faults with it)."""
     store = store or Store.from_config(cfg.storage)
     preflight(cfg, store)
+    check_resume(cfg, store)
     init_ray(log_to_driver=True)
     started = time.time()
     resumed = ckpt.find_latest_checkpoint(store, cfg.run_uri) is not None

@@ -29,6 +29,7 @@ from app.storage import Store
 from app.train import checkpoint as ckpt
 from app.train.metrics import Heartbeat, MetricsLog, StepTimer, format_progress, peak_memory
 from app.train.mfu import mfu, model_flops_per_token, peak_flops
+from app.train.resume import build_lineage
 from app.train.sinks import MlflowSink, TensorBoardSink, flatten
 from app.train.model import build_model, count_parameters, resolve_precision, trainable_parameters
 
@@ -155,6 +156,7 @@ def train_loop_per_worker(config: dict) -> None:
                          f"{world} workers x micro_batch_size {t.micro_batch_size}")
 
     manifest = load_manifest(store, cfg.data.uri)
+    lineage = build_lineage(cfg, manifest)  # recorded with every checkpoint: what it was trained from
     isolate = document_isolation(cfg, manifest, note=rank == 0)
     order = DataOrder.from_manifest(manifest, t.seed)
     steps_total = total_steps(cfg, order.num_rows)
@@ -283,7 +285,7 @@ def train_loop_per_worker(config: dict) -> None:
                 # Lines first: a checkpoint never exists without the metrics up to its step.
                 metrics.flush()
                 ckpt.save(cfg, store, model, optimizer, step=step, rows_consumed=rows_consumed, world_size=world,
-                          metrics=metrics.latest(), rank=rank)
+                          metrics=metrics.latest(), rank=rank, lineage=lineage)
             heartbeat.beat(step, force=True)
             if just_in_time and rank == 0:
                 log.info("pre-emption notice: just-in-time checkpoint at step %d; training on", step)
