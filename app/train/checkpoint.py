@@ -255,10 +255,22 @@ def restore(checkpoint, model, optimizer, lora: bool) -> RestoredState:
 
 
 def record_event(store: Store, run_uri: str, kind: str, **fields) -> str:
-    """One object per event (S3 has no append): `<run>/events/<time>-<id>.json`. Returns the id."""
+    """One object per event (S3 has no append): `<run>/events/<time>-<id>.json`. Returns the id.
+    Events are the run's diary, not its state: one storage cannot take (past the store's own
+    retries) is a warning, never an error that stops the group, least of all on the pre-emption
+    path, where rank 0 records the notice before the just-in-time checkpoint."""
+    import logging
+
+    from app.storage import StorageError
+
     now = time.time()
     event_id = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime(now))}-{uuid.uuid4().hex[:8]}"
-    store.write_json(join(run_uri, "events", f"{event_id}.json"), {"kind": kind, "time": now, "id": event_id, **fields})
+    uri = join(run_uri, "events", f"{event_id}.json")
+    try:
+        store.write_json(uri, {"kind": kind, "time": now, "id": event_id, **fields})
+    except (OSError, StorageError) as err:
+        logging.getLogger("eft.records").warning("event %s not recorded at %s (%s: %s); going on",
+                                                 kind, uri, type(err).__name__, err)
     return event_id
 
 
