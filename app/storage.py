@@ -22,6 +22,7 @@ import os
 import shutil
 import stat
 import tempfile
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Optional
@@ -30,11 +31,14 @@ import pyarrow.fs as pafs
 
 log = logging.getLogger("eft.storage")
 
-# The AWS SDK's standard strategy backs off ~2^n x U(0,1) s per retry, capped at 20 s: 12 attempts
-# outlast an outage of a minute or more on average, and each throttled request (503 SlowDown)
-# backs off instead of failing.
-S3_MAX_ATTEMPTS = 12
+# The AWS SDK's "default" strategy: retry n waits 25 ms x 2^n (none before the first), so 13
+# attempts outlast an outage of ~100 s, and a throttled request (503 SlowDown) backs off instead
+# of failing. Not the "standard" one: pyarrow never refunds its retry quota (500 tokens, 5 per
+# retry), so after ~100 retries in the life of a filesystem it stops retrying at all; a long run
+# on a store that throttles now and then would lose its retries halfway.
+S3_MAX_ATTEMPTS = 13
 S3_CONNECT_TIMEOUT_S = 10.0
+READ_ATTEMPTS = 6
 # Per socket read; a checkpoint shard streams in many reads, so this bounds a hung store only.
 S3_REQUEST_TIMEOUT_S = 120.0
 
@@ -67,7 +71,10 @@ class RetryingS3FileSystem(pafs.S3FileSystem):
     def __init__(self, max_attempts: int = S3_MAX_ATTEMPTS, **kwargs):
         kwargs.setdefault("connect_timeout", S3_CONNECT_TIMEOUT_S)
         kwargs.setdefault("request_timeout", S3_REQUEST_TIMEOUT_S)
-        super().__init__(retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=max_attempts), **kwargs)
+        # An object smaller than one part goes up as one PutObject instead of a multipart upload:
+        # a third of the requests, so a third of the chances to be throttled.
+        kwargs.setdefault("allow_delayed_open", True)
+        super().__init__(retry_strategy=pafs.AwsDefaultS3RetryStrategy(max_attempts=max_attempts), **kwargs)
         self._eft_kwargs = dict(kwargs, max_attempts=max_attempts)
 
     def __reduce__(self):
@@ -160,11 +167,20 @@ class Store:
 
     def read_bytes(self, uri: str) -> bytes:
         fs, path = self.resolve(uri)
-        try:
-            with fs.open_input_stream(path) as f:
-                return f.read()
-        except FileNotFoundError:
-            raise StorageError(f"{uri}: not found") from None
+        attempts = READ_ATTEMPTS if is_s3(uri) else 1
+        for attempt in range(attempts):
+            try:
+                with fs.open_input_stream(path) as f:
+                    return f.read()
+            except FileNotFoundError:
+                raise StorageError(f"{uri}: not found") from None
+            except OSError:
+                # The SDK reads a GET's body into a buffer the object's size: a throttled GET of an
+                # object shorter than S3's error XML (an event, a small JSON) overflows it and fails
+                # as INTERNAL_FAILURE, which the SDK does not retry. So reads retry here as well.
+                if attempt == attempts - 1:
+                    raise
+                time.sleep(0.2 * 2 ** attempt)
 
     def write_bytes(self, uri: str, data: bytes) -> None:
         """One object, all or nothing: S3 PUT is atomic; locally we write a temp file and rename."""
