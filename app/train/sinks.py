@@ -178,14 +178,19 @@ class MlflowSink:
         self.finish_timeout_s = finish_timeout_s
         self.enabled = True
         self.client = self.run_id = None
-        self.sent = 0
+        self.sent = self.logged = 0
         self._background = BackgroundWriter("MLflow logging", max_pending=max_pending, on_error=self._disable)
-        self._background.submit("mlflow-start", lambda: self._start(settings, run_uri, params))
+        self._start_args = (settings, run_uri, params)
+        # Connect early; any job connects first if this one was dropped from a full queue.
+        self._background.submit("mlflow-start", self._connect)
 
-    def _start(self, settings: dict, run_uri: str, params: dict) -> None:
+    def _connect(self):
+        if self.client is not None:
+            return self.client
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
+        settings, run_uri, params = self._start_args
         experiment = settings.get("MLFLOW_EXPERIMENT_NAME", "eft")
         client = MlflowClient(self.tracking_uri)
         found = client.get_experiment_by_name(experiment)
@@ -200,25 +205,23 @@ class MlflowSink:
             for i in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
                 client.log_batch(run_id, params=items[i:i + 100])
         self.client, self.run_id = client, run_id
+        return client
 
     def _disable(self, key: str, err: Exception) -> None:
         if not self.enabled:
             return
         self.enabled = False
-        dropped = self._background.clear()
+        self._background.clear()
         log.warning("MLflow at %s failed (%s: %s): MLflow logging is off for the rest of this attempt "
-                    "(%d batches sent, %d dropped); training goes on", self.tracking_uri, type(err).__name__,
-                    str(err).splitlines()[0] if str(err) else "", self.sent, dropped + self._background.dropped)
+                    "(%d of %d batches sent); training goes on", self.tracking_uri, type(err).__name__,
+                    str(err).splitlines()[0] if str(err) else "", self.sent, self.logged)
 
     def _send(self, metrics: list) -> None:
-        if self.client is None:  # the start failed, and took the sink down with it
-            return
-        self.client.log_batch(self.run_id, metrics=metrics)
+        self._connect().log_batch(self.run_id, metrics=metrics)
         self.sent += 1
 
     def _terminate(self) -> None:
-        if self.client is not None:
-            self.client.set_terminated(self.run_id)
+        self._connect().set_terminated(self.run_id)
 
     def log(self, record: dict) -> None:
         if not self.enabled:
@@ -227,6 +230,7 @@ class MlflowSink:
 
         now = int(time.time() * 1000)
         metrics = [Metric(k, v, now, record["step"]) for k, v in scalars_of(record).items()]
+        self.logged += 1
         # A key per step: batches queue in order instead of replacing each other.
         self._background.submit(f"mlflow-{record['step']}", lambda: self._send(metrics))
 
@@ -236,9 +240,9 @@ class MlflowSink:
             self._background.submit("mlflow-finish", self._terminate)
         if self._background.drain(self.finish_timeout_s):
             return self.enabled
-        left = self._background.clear()
-        log.warning("MLflow at %s did not answer within %.0f s: %d batches sent, %d not sent; training goes on",
-                    self.tracking_uri, self.finish_timeout_s, self.sent, left + self._background.dropped)
+        self._background.clear()
+        log.warning("MLflow at %s did not answer within %.0f s: %d of %d batches sent, the rest given up; "
+                    "training goes on", self.tracking_uri, self.finish_timeout_s, self.sent, self.logged)
         return False
 
 
