@@ -237,3 +237,35 @@ def test_default_cache_dir_is_private_to_the_user(s3, tmp_path, monkeypatch):
         foreign = Path("/")  # root's; never ours here
     with pytest.raises(StorageError, match=f"cache directory {foreign} is owned by uid"):
         ensure_private_dir(foreign)
+
+
+def test_tensorboard_event_files_go_up_once_each_and_read_back_in_order(s3, tmp_path):
+    """A new event file per upload (here: per step), each uploaded once; TensorBoard's own reader
+    sees every step in order, and a resumed attempt's purge drops the steps it redoes."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from app.train.sinks import TensorBoardSink
+
+    class CountingStore(Store):
+        put = 0
+
+        def write_bytes(self, uri, data):
+            CountingStore.put += len(data)
+            super().write_bytes(uri, data)
+
+    store, run = CountingStore(), f"s3://eft/storage-tests/tb-{tmp_path.name}"
+    sink = TensorBoardSink(store, run, resumed_from_step=0, upload_interval_s=0)
+    for step in range(1, 13):
+        sink.log({"step": step, "loss": float(step)})
+    assert sink.finish()
+    sink = TensorBoardSink(store, run, resumed_from_step=8, upload_interval_s=0)  # crashed after 12, resumed at 8
+    for step in range(9, 15):
+        sink.log({"step": step, "loss": 100.0 + step})
+    assert sink.finish()
+    sizes = store.list_file_sizes(join(run, "tensorboard"))
+    assert len(sizes) == 12 + 6 + 2 and CountingStore.put == sum(sizes.values())
+    store.download_dir(join(run, "tensorboard"), tmp_path / "tb")
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == \
+        [(s, float(s)) for s in range(1, 9)] + [(s, 100.0 + s) for s in range(9, 15)]

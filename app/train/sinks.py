@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import socket
 import tempfile
 import threading
 import time
@@ -107,7 +108,9 @@ class TensorBoardSink:
         self.local = Path(tempfile.mkdtemp(prefix="eft-tb-"))
         self.upload_interval_s, self.finish_timeout_s = upload_interval_s, finish_timeout_s
         self.writer = self._open(purge_step=resumed_from_step + 1 if resumed_from_step else None)
-        self._closed: list[Path] = []  # closed event files not uploaded yet
+        self._closed: list[tuple[str, Path]] = []  # closed event files not uploaded yet: (name up there, here)
+        self._seq = 0
+        self._origin = f"{socket.gethostname()}.{os.getpid()}"
         self._lock = threading.Lock()
         self._uploaded_at = time.monotonic()
         self._background = BackgroundWriter("tensorboard upload")
@@ -128,17 +131,23 @@ class TensorBoardSink:
     def _roll(self, reopen: bool) -> None:
         self.writer.close()
         with self._lock:
-            self._closed += sorted(p for p in self.local.iterdir() if p not in self._closed)
+            known = {path for _, path in self._closed}
+            for path in sorted(p for p in self.local.iterdir() if p not in known):
+                # TensorBoard reads a directory's files in name order; SummaryWriter's names end in a
+                # process-wide counter that sorts "10" before "9", so the uploaded name carries our own.
+                name = f"events.out.tfevents.{time.time_ns() // 10**6:013d}.{self._seq:06d}.{self._origin}"
+                self._closed.append((name, path))
+                self._seq += 1
         if reopen:
             self.writer = self._open()
 
     def _upload(self) -> None:
         with self._lock:
             files = list(self._closed)
-        for path in files:
-            self.store.write_bytes(join(self.uri, path.name), path.read_bytes())
+        for name, path in files:
+            self.store.write_bytes(join(self.uri, name), path.read_bytes())
             with self._lock:
-                self._closed.remove(path)
+                self._closed.remove((name, path))
             path.unlink()
 
     def finish(self) -> bool:
