@@ -93,7 +93,7 @@ def test_resolve_rejects_unknown_schemes_and_bucketless_uris():
 
 def test_s3_writes_ride_out_an_outage_even_after_pickling(s3):
     """The filesystem Ray Train unpickles on its controller and workers keeps eft's retries:
-    a write started while the store refuses connections lands once it is back."""
+    a write started while the store refuses connections lands once it is back; so do reads."""
     import pickle
 
     import pyarrow.fs as pafs
@@ -112,6 +112,17 @@ def test_s3_writes_ride_out_an_outage_even_after_pickling(s3):
         with fs.open_output_stream(path) as f:
             f.write(b'{"ok": 1}')
         assert Store().read_json("s3://eft/storage-tests/outage/snapshot.json") == {"ok": 1}
+
+        # The driver's reads for the summary (a HEAD, a LIST, GETs) wait out an outage as well.
+        from app.train.metrics import MetricsLog, load_metrics
+
+        run = "s3://eft/storage-tests/outage/run"
+        log = MetricsLog(store, run, enabled=True)
+        log.load(up_to_step=0)
+        log.append({"step": 1, "loss": 2.0})
+        assert log.flush()
+        proxy.refuse_for(3)
+        assert load_metrics(store, run) == [{"step": 1, "loss": 2.0}]
 
 
 def test_throttled_requests_are_retried_by_pyarrow_and_boto3(s3):
