@@ -91,10 +91,11 @@ def test_resolve_rejects_unknown_schemes_and_bucketless_uris():
 # -- faults: retries, degraded writes, metric segments, the private cache -------------------
 
 
-def test_s3_writes_ride_out_an_outage_even_after_pickling(s3):
+def test_s3_writes_ride_out_an_outage_even_after_pickling(s3, caplog):
     """The filesystem Ray Train unpickles on its controller and workers keeps eft's retries:
     a write started while the store refuses connections lands once it is back; so do reads."""
     import pickle
+    import time
 
     import pyarrow.fs as pafs
 
@@ -123,6 +124,21 @@ def test_s3_writes_ride_out_an_outage_even_after_pickling(s3):
         assert log.flush()
         proxy.refuse_for(3)
         assert load_metrics(store, run) == [{"step": 1, "loss": 2.0}]
+
+        # An event written while storage is away: the caller goes on after `wait_s`, the write
+        # goes on in the background and lands once the store is back.
+        from app.train.checkpoint import load_events, record_event
+
+        proxy.refuse_for(600)
+        with caplog.at_level("WARNING", logger="eft.records"):
+            event_id = record_event(store, run, "preemption_notice", wait_s=0.2, step=1)
+        assert any(f"event preemption_notice: storage has not taken {join(run, 'events', event_id)}.json" in
+                   r.getMessage() for r in caplog.records)
+        proxy.restore()
+        deadline = time.monotonic() + 120
+        while not load_events(Store(), run) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [e["id"] for e in load_events(Store(), run)] == [event_id]
 
 
 def test_throttled_requests_are_retried_by_pyarrow_and_boto3(s3):

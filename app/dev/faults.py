@@ -4,7 +4,7 @@ store the way a user would meet one (the code under test sees a real network err
 S3 error response, through pyarrow / boto3, not a patched function).
 
 - `TcpProxy`: bytes both ways; `refuse_for(s)` resets every open connection and refuses new
-  ones (the port stops listening) for `s` seconds.
+  ones (the port stops listening) for `s` seconds, or until `restore()`.
 - `SlowDownProxy`: an HTTP/1.1 proxy that answers `503 SlowDown` (S3's XML error body) to a
   seeded fraction of requests and forwards the rest; it counts the bytes each request sent up.
 """
@@ -102,6 +102,11 @@ class TcpProxy:
             listener.close()
         for sock in conns:
             _reset(sock)
+
+    def restore(self) -> None:
+        """End an outage now."""
+        with self._lock:
+            self._refusing_until = 0.0
 
     def _accept(self) -> None:
         while True:
