@@ -6,7 +6,7 @@ S3 error response, through pyarrow / boto3, not a patched function).
 - `TcpProxy`: bytes both ways; `refuse_for(s)` resets every open connection and refuses new
   ones (the port stops listening) for `s` seconds, or until `restore()`.
 - `SlowDownProxy`: an HTTP/1.1 proxy that answers `503 SlowDown` (S3's XML error body) to a
-  seeded fraction of requests and forwards the rest; it counts the bytes each request sent up.
+  seeded fraction of requests and forwards the rest; it logs each request (method, path, body bytes, status).
 """
 
 from __future__ import annotations
@@ -176,11 +176,6 @@ class RequestLog:
     def add(self, method: str, path: str, sent: int, status: int) -> None:
         with self.lock:
             self.entries.append((method, path, sent, status))
-
-    def bytes_sent(self, path_contains: str, method: str = "PUT") -> int:
-        """Request body bytes of the forwarded `method` requests whose path contains the text."""
-        with self.lock:
-            return sum(n for m, p, n, s in self.entries if m == method and path_contains in p and s != 503)
 
     def count(self, status: Optional[int] = None) -> int:
         with self.lock:

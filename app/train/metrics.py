@@ -87,14 +87,15 @@ class MetricsLog:
     """Rank 0's record of the committed trajectory, as append-only segments: the rows logged
     since the last upload go up as one new object `<run>/metrics/<seq>-<writer>-<from step>.jsonl`
     at most every `upload_interval_s` in the background, and synchronously before each
-    checkpoint, so a checkpoint never exists without the rows up to its step (unless storage is
-    down past its retries: then a warning, and the rows stay queued for the next upload). Each
+    checkpoint, so a checkpoint never exists without the rows up to its step (unless storage
+    does not take them within `flush_timeout_s`: then a warning, and they stay queued and go
+    again with the next upload; a checkpoint is not held up by an outage). Each
     row is uploaded once, so the bytes grow with the steps, not their square. Only the last
     `tail_rows` rows stay in memory, plus those not yet uploaded (at most `max_unsent_rows`).
     On resume the rows past the restored step are dropped by the readers (`merge_segments`)."""
 
     def __init__(self, store: Store, run_uri: str, enabled: bool, upload_interval_s: float = 30.0,
-                 tail_rows: int = 1000, max_unsent_rows: int = 100_000, flush_timeout_s: float = 30.0):
+                 tail_rows: int = 1000, max_unsent_rows: int = 100_000, flush_timeout_s: float = 10.0):
         from app.train.sinks import BackgroundWriter
 
         self.store, self.run_uri, self.enabled = store, run_uri, enabled
