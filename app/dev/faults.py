@@ -79,18 +79,17 @@ class TcpProxy:
     def stop(self) -> None:
         with self._lock:
             self._stopped = True
-            listener, self._listener = self._listener, None
-            conns, self._open = list(self._open), set()
-        if listener is not None:
-            listener.close()
-        for sock in conns:
-            _reset(sock)
+        self._drop_everything()
 
     def refuse_for(self, seconds: float) -> None:
         """Drop every connection now and refuse new ones (nothing listens) for `seconds`."""
         with self._lock:
             self._refusing_until = time.monotonic() + seconds
             self.refusals += 1
+        self._drop_everything()
+
+    def _drop_everything(self) -> None:
+        with self._lock:
             listener, self._listener = self._listener, None
             conns, self._open = list(self._open), set()
         if listener is not None:
