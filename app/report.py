@@ -1,6 +1,6 @@
 """`eft status` and `eft report`: read one run's records and present them.
 
-A run's records (`<run>/config.yaml`, `metrics.jsonl`, `events/`, `heartbeats/`,
+A run's records (`<run>/config.yaml`, `metrics/`, `events/`, `heartbeats/`,
 `checkpoint-*/`, `summary.json`) are read with the same loaders the trainer uses, then turned
 into one status dict. That dict is shown as a table, as JSON, or as a Markdown page beside
 a PNG of the loss curves. Values a run did not record are None (shown as "-"), never estimated.
@@ -115,7 +115,7 @@ def last_value(records: list[dict], key: str):
 
 
 def current_step(run: dict) -> int:
-    """Heartbeats first: metrics.jsonl is only rewritten at checkpoints, so it trails them."""
+    """Heartbeats first: metrics are uploaded every 30 s and at checkpoints, so they trail them."""
     summary = current_summary(run)
     if summary and summary.get("steps") is not None:
         return int(summary["steps"])

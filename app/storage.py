@@ -4,6 +4,11 @@
 `file:///abs` and plain paths use the local filesystem. Credentials come only from the
 standard AWS chain; they are never passed explicitly, so a pickled filesystem (sent to Ray
 workers, stored by Ray Train) carries none.
+
+Every S3 client retries: a store that drops connections for tens of seconds or answers
+`503 SlowDown` must cost time, never a run. Ray Train writes its own files (checkpoints, its
+checkpoint-manager snapshot, with no retry of its own and no tolerance for a failed write on its
+controller) through the filesystem made here, so the retries live on that filesystem.
 """
 
 from __future__ import annotations
@@ -12,14 +17,30 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
+import stat
 import tempfile
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Optional
 
 import pyarrow.fs as pafs
+
+log = logging.getLogger("eft.storage")
+
+# The AWS SDK's "default" strategy: retry n waits 25 ms x 2^n (none before the first), so 13
+# attempts outlast an outage of ~100 s, and a throttled request (503 SlowDown) backs off instead
+# of failing. Not the "standard" one: pyarrow never refunds its retry quota (500 tokens, 5 per
+# retry), so after ~100 retries in the life of a filesystem it stops retrying at all; a long run
+# on a store that throttles now and then would lose its retries halfway.
+S3_MAX_ATTEMPTS = 13
+S3_CONNECT_TIMEOUT_S = 10.0
+READ_ATTEMPTS = 6
+# Per socket read; a checkpoint shard streams in many reads, so this bounds a hung store only.
+S3_REQUEST_TIMEOUT_S = 120.0
 
 
 class StorageError(RuntimeError):
@@ -41,6 +62,39 @@ def join(uri: str, *parts: str) -> str:
     return out
 
 
+class RetryingS3FileSystem(pafs.S3FileSystem):
+    """`S3FileSystem` with eft's retry strategy and timeouts, which survive pickling. pyarrow's
+    own pickle leaves the retry strategy out, so the copy Ray Train's controller and workers
+    unpickle would be back at 3 attempts: a 20-s outage then fails a checkpoint-manager write
+    on the controller, which Ray does not retry (a ControllerError ends the run)."""
+
+    def __init__(self, max_attempts: int = S3_MAX_ATTEMPTS, **kwargs):
+        kwargs.setdefault("connect_timeout", S3_CONNECT_TIMEOUT_S)
+        kwargs.setdefault("request_timeout", S3_REQUEST_TIMEOUT_S)
+        # An object smaller than one part goes up as one PutObject instead of a multipart upload:
+        # a third of the requests, so a third of the chances to be throttled.
+        kwargs.setdefault("allow_delayed_open", True)
+        super().__init__(retry_strategy=pafs.AwsDefaultS3RetryStrategy(max_attempts=max_attempts), **kwargs)
+        self._eft_kwargs = dict(kwargs, max_attempts=max_attempts)
+
+    def __reduce__(self):
+        return _rebuild_s3, (self._eft_kwargs,)
+
+
+def _rebuild_s3(kwargs: dict) -> RetryingS3FileSystem:
+    return RetryingS3FileSystem(**kwargs)
+
+
+def boto3_config(**overrides):
+    """botocore's config for every boto3 client eft makes: adaptive retries (standard backoff
+    plus client-side rate limiting when the store throttles) and bounded connect/read waits."""
+    from botocore.config import Config
+
+    settings = {"retries": {"mode": "adaptive", "max_attempts": S3_MAX_ATTEMPTS},
+                "connect_timeout": S3_CONNECT_TIMEOUT_S, "read_timeout": S3_REQUEST_TIMEOUT_S, **overrides}
+    return Config(**settings)
+
+
 def resolve(uri: str, endpoint: Optional[str] = None, region: str = "us-east-1") -> tuple[pafs.FileSystem, str]:
     """URI → (filesystem, path inside it)."""
     if is_s3(uri):
@@ -54,7 +108,7 @@ def resolve(uri: str, endpoint: Optional[str] = None, region: str = "us-east-1")
             kwargs.update(endpoint_override=host or scheme, scheme=scheme if host else "https")
             # S3-compatible stores on a custom endpoint rarely speak virtual-host addressing.
             kwargs["force_virtual_addressing"] = False
-        return pafs.S3FileSystem(**kwargs), path
+        return RetryingS3FileSystem(**kwargs), path
     if uri.startswith("file://"):
         uri = uri[len("file://"):]
     if "://" in uri:
@@ -87,10 +141,10 @@ class Store:
         bucket = uri[len("s3://"):].split("/", 1)[0]
         ep = s3_endpoint(self.endpoint)
         where = ep or "the default AWS endpoint"
+        # Preflight answers fast: a few attempts, not the long patience of a running job.
         client = boto3.client(
             "s3", endpoint_url=ep, region_name=self.region,
-            config=__import__("botocore.config").config.Config(
-                connect_timeout=5, read_timeout=10, retries={"max_attempts": 2}),
+            config=boto3_config(connect_timeout=5, read_timeout=10, retries={"mode": "standard", "max_attempts": 2}),
         )
         try:
             client.head_bucket(Bucket=bucket)
@@ -113,11 +167,20 @@ class Store:
 
     def read_bytes(self, uri: str) -> bytes:
         fs, path = self.resolve(uri)
-        try:
-            with fs.open_input_stream(path) as f:
-                return f.read()
-        except FileNotFoundError:
-            raise StorageError(f"{uri}: not found") from None
+        attempts = READ_ATTEMPTS if is_s3(uri) else 1
+        for attempt in range(attempts):
+            try:
+                with fs.open_input_stream(path) as f:
+                    return f.read()
+            except FileNotFoundError:
+                raise StorageError(f"{uri}: not found") from None
+            except OSError:
+                # The SDK reads a GET's body into a buffer the object's size: a throttled GET of an
+                # object shorter than S3's error XML (an event, a small JSON) overflows it and fails
+                # as INTERNAL_FAILURE, which the SDK does not retry. So reads retry here as well.
+                if attempt == attempts - 1:
+                    raise
+                time.sleep(0.2 * 2 ** attempt)
 
     def write_bytes(self, uri: str, data: bytes) -> None:
         """One object, all or nothing: S3 PUT is atomic; locally we write a temp file and rename."""
@@ -293,8 +356,11 @@ class Store:
         if not is_s3(uri):
             _, path = self.resolve(uri)
             return Path(path)
-        root = Path(cache_root or Path(tempfile.gettempdir()) / "eft-cache")
-        root.mkdir(parents=True, exist_ok=True)
+        if cache_root is None:
+            root = ensure_private_dir(default_cache_root())
+        else:
+            root = Path(cache_root)
+            root.mkdir(parents=True, exist_ok=True)
         # Keyed on the listing too (names, sizes, mtimes): new weights at the same URI are fetched anew.
         fs, path = self.resolve(uri)
         infos = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
@@ -314,3 +380,34 @@ class Store:
                 shutil.rmtree(final)
             os.replace(staging, final)
         return final
+
+
+def default_cache_root() -> Path:
+    """Per user: in a shared /tmp, a fixed name would let another user own the directory first."""
+    return Path(tempfile.gettempdir()) / f"eft-cache-{os.getuid()}"
+
+
+def ensure_private_dir(path: Path) -> Path:
+    """`path` as a directory only this user can enter (0700), created if absent.
+
+    In a shared, sticky /tmp anyone can create the name first: a symlink to a directory they
+    control, or a directory of their own, would have us load model files they can swap. So an
+    existing entry is judged with lstat (never following a link): a link or one owned by someone
+    else is refused; our own with a looser mode is removed and made again, since others may have
+    written into it while it was open to them."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        info = os.lstat(path)
+        if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+            raise StorageError(f"cache directory {path} is not a plain directory (a symlink or file?); "
+                               "remove it or set TMPDIR") from None
+        if info.st_uid != os.getuid():
+            raise StorageError(f"cache directory {path} is owned by uid {info.st_uid}, not this user "
+                               f"({os.getuid()}); remove it or set TMPDIR") from None
+        if stat.S_IMODE(info.st_mode) & 0o077:
+            log.warning("cache directory %s was open to other users (mode %o); emptying it", path,
+                        stat.S_IMODE(info.st_mode))
+            shutil.rmtree(path)
+            os.mkdir(path, 0o700)
+    return path

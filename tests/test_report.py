@@ -25,7 +25,7 @@ from app.storage import Store, join
 from app.summary import build_summary, write_summary
 from app.train.checkpoint import (TRAIN_STATE, build_sidecar, checkpoint_dir_name, list_local_files, record_event,
                                   write_sidecar)
-from app.train.metrics import METRICS_FILE, Heartbeat, MetricsLog, StepTimer
+from app.train.metrics import METRICS_DIR, METRICS_FILE, Heartbeat, MetricsLog, StepTimer, load_metrics
 
 ROOT = "s3://eft/test-report/runs"
 REPO = Path(__file__).resolve().parents[1]
@@ -68,9 +68,9 @@ def val_loss(step: int) -> float:
 
 def run_steps(store: Store, cfg, heartbeat: Heartbeat, world: int, first: int, last: int,
               flush_through: int | None = None, extra: dict | None = None) -> MetricsLog:
-    """Steps first..last as the loop records them; metrics.jsonl is rewritten only through
+    """Steps first..last as the loop records them; metrics are uploaded only through
     `flush_through` (the loop flushes at checkpoints), heartbeats every step. The loop's timed
-    background rewrites of metrics.jsonl are off (an infinite interval), and the heartbeats'
+    background metrics uploads are off (an infinite interval), and the heartbeats'
     background writes are waited for: on return, storage holds exactly that."""
     log = MetricsLog(store, cfg.run_uri, enabled=True, upload_interval_s=math.inf)
     log.load(up_to_step=first - 1)
@@ -136,7 +136,7 @@ def finished_run(store):
 
 
 def write_running_run(store: Store) -> tuple:
-    """A run in progress: no eval, heartbeat at step 8, metrics.jsonl flushed through step 6."""
+    """A run in progress: no eval, heartbeat at step 8, metrics flushed through step 6."""
     cfg = build_job(unique("running"), eval_every=None)
     start_driver(store, cfg)
     beat = start_worker_group(store, cfg, world=2, resumed_from_step=None)
@@ -182,7 +182,7 @@ def test_status_json(store, finished_run, capsys):
 def test_status_of_running_run(store, capsys, monkeypatch):
     cfg, flushed = write_running_run(store)
     run = load_run(store, cfg.run_uri)
-    # The heartbeat is ahead of metrics.jsonl, which was last rewritten at step 6.
+    # The heartbeat is ahead of the metrics, last uploaded at step 6.
     assert [m["step"] for m in run["metrics"]] == list(range(1, 7))
     (beat,) = run["heartbeats"]
     assert (beat["first_step"], beat["last_step"]) == (1, 8)
@@ -245,8 +245,11 @@ def test_torn_last_line_is_ignored(store):
     cfg = build_job(unique("torn"), eval_every=None)
     start_driver(store, cfg)
     run_steps(store, cfg, start_worker_group(store, cfg, world=2, resumed_from_step=None), world=2, first=1, last=3)
-    uri = join(cfg.run_uri, METRICS_FILE)
-    store.write_text(uri, store.read_text(uri) + '{"step": 4, "loss": 7.')
+    # A run recorded before segments: one metrics.jsonl, rewritten whole, cut off mid-line.
+    rows = load_metrics(store, cfg.run_uri)
+    store.delete_prefix(join(cfg.run_uri, METRICS_DIR))
+    lines = "".join(json.dumps(r) + "\n" for r in rows)
+    store.write_text(join(cfg.run_uri, METRICS_FILE), lines + '{"step": 4, "loss": 7.')
     status = build_status(load_run(store, cfg.run_uri))
     assert (status["metrics_step"], status["step"]) == (3, 3)
     assert status["train_loss"] == pytest.approx(train_loss(3))

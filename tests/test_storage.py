@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from app.storage import Store, StorageError, join, resolve
@@ -84,3 +86,213 @@ def test_resolve_rejects_unknown_schemes_and_bucketless_uris():
         resolve("s3://")
     fs, path = resolve("file:///tmp/x")
     assert path == "/tmp/x" and type(fs).__name__ == "LocalFileSystem"
+
+
+# -- faults: retries, degraded writes, metric segments, the private cache -------------------
+
+
+def test_s3_writes_ride_out_an_outage_even_after_pickling(s3, caplog):
+    """The filesystem Ray Train unpickles on its controller and workers keeps eft's retries:
+    a write started while the store refuses connections lands once it is back; so do reads."""
+    import pickle
+    import time
+
+    import pyarrow.fs as pafs
+
+    from app.dev.faults import TcpProxy
+
+    with TcpProxy(s3.endpoint) as proxy:
+        store = Store(endpoint=proxy.endpoint)
+        fs, path = store.resolve("s3://eft/storage-tests/outage/snapshot.json")
+        fs = pickle.loads(pickle.dumps(fs))
+        bare = pafs.S3FileSystem(endpoint_override=proxy.endpoint.split("://")[1], scheme="http",
+                                 retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=1))
+        proxy.refuse_for(4)
+        with pytest.raises(OSError):  # the outage is real: one attempt fails
+            bare.get_file_info(path)
+        with fs.open_output_stream(path) as f:
+            f.write(b'{"ok": 1}')
+        assert Store().read_json("s3://eft/storage-tests/outage/snapshot.json") == {"ok": 1}
+
+        # The driver's reads for the summary (a HEAD, a LIST, GETs) wait out an outage as well.
+        from app.train.metrics import MetricsLog, load_metrics
+
+        run = "s3://eft/storage-tests/outage/run"
+        log = MetricsLog(store, run, enabled=True)
+        log.load(up_to_step=0)
+        log.append({"step": 1, "loss": 2.0})
+        assert log.flush()
+        proxy.refuse_for(3)
+        assert load_metrics(store, run) == [{"step": 1, "loss": 2.0}]
+
+        # An event written while storage is away: the caller goes on after `wait_s`, the write
+        # goes on in the background and lands once the store is back.
+        from app.train.checkpoint import load_events, record_event
+
+        proxy.refuse_for(600)
+        with caplog.at_level("WARNING", logger="eft.records"):
+            event_id = record_event(store, run, "preemption_notice", wait_s=0.2, step=1)
+        assert any(f"event preemption_notice: storage has not taken {join(run, 'events', event_id)}.json" in
+                   r.getMessage() for r in caplog.records)
+        proxy.restore()
+        deadline = time.monotonic() + 120
+        while not load_events(Store(), run) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [e["id"] for e in load_events(Store(), run)] == [event_id]
+
+
+def test_throttled_requests_are_retried_by_pyarrow_and_boto3(s3):
+    """A store answering 503 SlowDown to 30% of the requests: every write and read still lands."""
+    import boto3
+
+    from app.dev.faults import SlowDownProxy
+    from app.storage import boto3_config
+
+    with SlowDownProxy(s3.endpoint, fraction=0.3, seed=1) as proxy:
+        store = Store(endpoint=proxy.endpoint)
+        for i in range(8):
+            store.write_json(f"s3://eft/storage-tests/slow/{i}.json", {"i": i})
+        assert [store.read_json(f"s3://eft/storage-tests/slow/{i}.json")["i"] for i in range(8)] == list(range(8))
+        client = boto3.client("s3", endpoint_url=proxy.endpoint, region_name="us-east-1", config=boto3_config())
+        for i in range(8):
+            client.put_object(Bucket="eft", Key=f"storage-tests/slow-boto/{i}", Body=b"x" * i)
+        assert [client.get_object(Bucket="eft", Key=f"storage-tests/slow-boto/{i}")["Body"].read()
+                for i in range(8)] == [b"x" * i for i in range(8)]
+        assert proxy.log.count(503) >= 8  # the faults happened, and were absorbed
+
+
+def test_event_heartbeat_and_metrics_writes_degrade_to_a_warning(tmp_path, caplog):
+    """Storage refusing writes (here: the run's path is under a file) costs warnings, not the
+    run; the metric rows stay queued and go up whole once storage takes them again."""
+    from app.train.checkpoint import load_events, record_event
+    from app.train.metrics import Heartbeat, MetricsLog, load_metrics
+
+    blocker = tmp_path / "runs"
+    blocker.write_text("not a directory")
+    run = str(blocker / "r1")
+    store = Store()
+    with caplog.at_level("WARNING"):
+        event_id = record_event(store, run, "preemption_notice", step=3)
+        beat = Heartbeat(store, run, event_id, enabled=True, interval_s=0)
+        beat.beat(1)
+        assert beat.flush() is True  # it ran, and failed: a warning, not a wait
+        log = MetricsLog(store, run, enabled=True, upload_interval_s=float("inf"))
+        log.load(up_to_step=0)
+        for step in range(1, 6):
+            log.append({"step": step, "loss": 1.0 / step})
+        assert log.flush(timeout_s=30) is False
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("event preemption_notice not recorded at " + join(run, "events") in m for m in messages)
+    assert any("heartbeat write failed" in m for m in messages)
+    assert any(f"metrics: 5 rows in 1 segments not uploaded to {join(run, 'metrics')}" in m for m in messages)
+    assert log.unsent_rows == 5
+
+    blocker.unlink()  # storage is back
+    log.append({"step": 6, "loss": 1 / 6})
+    assert log.flush() is True and log.unsent_rows == 0
+    assert [r["step"] for r in load_metrics(store, run)] == [1, 2, 3, 4, 5, 6]
+    assert load_events(store, run) == []
+
+
+def test_metric_segments_hold_each_row_once_and_readers_keep_the_committed_trajectory(s3):
+    import json
+
+    from app.train.metrics import METRICS_DIR, METRICS_FILE, MetricsLog, load_metrics
+
+    store = Store()
+    run = f"s3://eft/storage-tests/segments-{__import__('uuid').uuid4().hex[:6]}"
+
+    def attempt(resumed_from: int, last: int, tag: str, tail_rows: int = 1000) -> MetricsLog:
+        log = MetricsLog(store, run, enabled=True, upload_interval_s=0, tail_rows=tail_rows)
+        log.load(up_to_step=resumed_from)
+        for step in range(resumed_from + 1, last + 1):
+            log.append({"step": step, "attempt": tag})
+        assert log.flush()
+        return log
+
+    # An old run's single file (steps 1-2), then three attempts: 0→10 (checkpoint at 6), a
+    # crash, 6→12 (no checkpoint reached), another crash, 6→8.
+    store.write_text(join(run, METRICS_FILE), '{"step": 1, "attempt": "old"}\n{"step": 2, "attempt": "old"}\n')
+    first = attempt(2, 10, "a", tail_rows=4)
+    assert [r["step"] for r in first.records] == [7, 8, 9, 10]  # a bounded tail in memory
+    assert first.latest() == {"step": 10, "attempt": "a"}
+    attempt(6, 12, "b")
+    attempt(6, 8, "c")
+    rows = load_metrics(store, run)
+    assert [(r["step"], r["attempt"]) for r in rows] == \
+        [(1, "old"), (2, "old"), *[(s, "a") for s in range(3, 7)], (7, "c"), (8, "c")]
+    # Append-only: every row logged is in exactly one object, and no object holds anything else.
+    logged = [{"step": s, "attempt": a} for a, steps in (("a", range(3, 11)), ("b", range(7, 13)), ("c", range(7, 9)))
+              for s in steps]
+    sizes = store.list_file_sizes(join(run, METRICS_DIR))
+    assert len(sizes) == len(logged)
+    assert sum(sizes.values()) == sum(len(json.dumps(r) + "\n") for r in logged)
+
+
+def test_default_cache_dir_is_private_to_the_user(s3, tmp_path, monkeypatch):
+    import os
+    import stat
+    import tempfile
+
+    from app.storage import default_cache_root, ensure_private_dir
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    root = default_cache_root()
+    assert root == tmp_path / f"eft-cache-{os.getuid()}"
+    uri = f"s3://eft/cache-tests/private-{tmp_path.name}"
+    Store().write_text(join(uri, "config.json"), "{}")
+    local = Store().cache_locally(uri)
+    assert local.parent == root and stat.S_IMODE(root.stat().st_mode) == 0o700
+
+    # Ours but left open to others: emptied (anyone could have planted files) and closed.
+    root.chmod(0o777)
+    (root / "planted").write_text("x")
+    ensure_private_dir(root)
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700 and not (root / "planted").exists()
+
+    # Someone else's name in a shared /tmp: a link to their directory, or their own directory.
+    elsewhere = tmp_path / "theirs"
+    elsewhere.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(elsewhere)
+    with pytest.raises(StorageError, match=f"cache directory {link} is not a plain directory"):
+        ensure_private_dir(link)
+    if os.getuid() == 0:
+        os.chown(elsewhere, 4321, 4321)
+        foreign = elsewhere
+    else:
+        foreign = Path("/")  # root's; never ours here
+    with pytest.raises(StorageError, match=f"cache directory {foreign} is owned by uid"):
+        ensure_private_dir(foreign)
+
+
+def test_tensorboard_event_files_go_up_once_each_and_read_back_in_order(s3, tmp_path):
+    """A new event file per upload (here: per step), each uploaded once; TensorBoard's own reader
+    sees every step in order, and a resumed attempt's purge drops the steps it redoes."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from app.train.sinks import TensorBoardSink
+
+    class CountingStore(Store):
+        put = 0
+
+        def write_bytes(self, uri, data):
+            CountingStore.put += len(data)
+            super().write_bytes(uri, data)
+
+    store, run = CountingStore(), f"s3://eft/storage-tests/tb-{tmp_path.name}"
+    sink = TensorBoardSink(store, run, resumed_from_step=0, upload_interval_s=0)
+    for step in range(1, 13):
+        sink.log({"step": step, "loss": float(step)})
+    assert sink.finish()
+    sink = TensorBoardSink(store, run, resumed_from_step=8, upload_interval_s=0)  # crashed after 12, resumed at 8
+    for step in range(9, 15):
+        sink.log({"step": step, "loss": 100.0 + step})
+    assert sink.finish()
+    sizes = store.list_file_sizes(join(run, "tensorboard"))
+    assert len(sizes) == 12 + 6 + 2 and CountingStore.put == sum(sizes.values())
+    store.download_dir(join(run, "tensorboard"), tmp_path / "tb")
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == \
+        [(s, float(s)) for s in range(1, 9)] + [(s, 100.0 + s) for s in range(9, 15)]

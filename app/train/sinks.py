@@ -1,12 +1,14 @@
-"""Where rank 0's metric records go besides `<run>/metrics.jsonl`: TensorBoard event files in
-the run's storage, and MLflow when a tracking URI is configured. Uploads happen on a
-background thread, so the training loop never waits on storage to log."""
+"""Where rank 0's metric records go besides `<run>/metrics/`: TensorBoard event files in the
+run's storage, and MLflow when a tracking URI is configured. Uploads happen on background
+threads with bounded queues, so the training loop never waits on storage or a tracker to log,
+and neither one being down or hanging stops a run: it costs a warning."""
 
 from __future__ import annotations
 
 import logging
 import math
 import os
+import socket
 import tempfile
 import threading
 import time
@@ -26,24 +28,50 @@ def scalars_of(record: dict) -> dict[str, float]:
 
 
 class BackgroundWriter:
-    """Runs the latest submitted job on a thread; a newer job replaces one not yet started
-    (each job writes a whole file, so only the newest matters). `drain()` waits for it."""
+    """Runs submitted jobs in order on one daemon thread, so the training loop never waits on
+    storage or a tracker. A job submitted under the key of one still queued replaces it (a job
+    that writes a whole file: only the newest matters). At most `max_pending` jobs wait: past
+    that the oldest is dropped and counted, so an endpoint that is down or hangs costs bounded
+    memory. A failed job is logged (and handed to `on_error`), never raised: a failed upload
+    must not stop training."""
 
-    def __init__(self):
+    def __init__(self, what: str = "metrics upload", max_pending: int = 1000,
+                 on_error: Optional[Callable[[str, Exception], None]] = None):
+        self.what, self.max_pending, self.on_error = what, max_pending, on_error
         self._pending: dict[str, Callable[[], None]] = {}
         self._lock = threading.Condition()
         self._busy = False
-        self._thread = threading.Thread(target=self._run, name="eft-metrics-writer", daemon=True)
+        self.dropped = self.failed = 0
+        self._thread = threading.Thread(target=self._run, name=f"eft-{what.replace(' ', '-')}", daemon=True)
         self._thread.start()
 
     def submit(self, key: str, job: Callable[[], None]) -> None:
         with self._lock:
+            if key not in self._pending and len(self._pending) >= self.max_pending:
+                del self._pending[next(iter(self._pending))]
+                self.dropped += 1
             self._pending[key] = job
             self._lock.notify_all()
 
-    def drain(self, timeout_s: float = 60.0) -> None:
+    @property
+    def pending(self) -> int:
+        """Jobs queued or running."""
         with self._lock:
-            self._lock.wait_for(lambda: not self._pending and not self._busy, timeout=timeout_s)
+            return len(self._pending) + int(self._busy)
+
+    def drain(self, timeout_s: float = 60.0) -> bool:
+        """Wait for every submitted job; False if some were still queued or running at the timeout."""
+        with self._lock:
+            return self._lock.wait_for(lambda: not self._pending and not self._busy, timeout=timeout_s)
+
+    def clear(self) -> int:
+        """Drop the queued jobs (not the running one); returns how many."""
+        with self._lock:
+            dropped = len(self._pending)
+            self._pending.clear()
+            self.dropped += dropped
+            self._lock.notify_all()
+            return dropped
 
     def _run(self) -> None:
         while True:
@@ -54,8 +82,12 @@ class BackgroundWriter:
                 self._busy = True
             try:
                 job()
-            except Exception as err:  # a failed metrics upload must not stop training
-                log.warning("metrics upload failed (%s): %s", key, err)
+            except Exception as err:
+                with self._lock:
+                    self.failed += 1
+                log.warning("%s failed (%s): %s: %s", self.what, key, type(err).__name__, err)
+                if self.on_error is not None:
+                    self.on_error(key, err)
             finally:
                 with self._lock:
                     self._busy = False
@@ -63,72 +95,164 @@ class BackgroundWriter:
 
 
 class TensorBoardSink:
-    """Event files written locally by torch's SummaryWriter and mirrored to `<run>/tensorboard/`
-    (at most every `upload_interval_s`, and at the end). `purge_step` makes TensorBoard drop
-    the points past the step a resumed run restarted from."""
+    """Event files written locally by torch's SummaryWriter and copied to `<run>/tensorboard/`.
+    Every `upload_interval_s` (and at the end) the current file is closed, a new one opened, and
+    the closed ones uploaded once each: TensorBoard reads all the event files of a directory in
+    name order, so the bytes uploaded grow with the steps, not their square. A file storage did
+    not take (past the store's retries) is a warning and goes again at the next upload.
+    `purge_step` makes TensorBoard drop the points past the step a resumed run restarted from."""
 
-    def __init__(self, store: Store, run_uri: str, resumed_from_step: int, upload_interval_s: float = 30.0):
-        from torch.utils.tensorboard import SummaryWriter
-
+    def __init__(self, store: Store, run_uri: str, resumed_from_step: int, upload_interval_s: float = 30.0,
+                 finish_timeout_s: float = 60.0):
         self.store, self.uri = store, join(run_uri, "tensorboard")
         self.local = Path(tempfile.mkdtemp(prefix="eft-tb-"))
-        self.writer = SummaryWriter(str(self.local), purge_step=resumed_from_step + 1 if resumed_from_step else None)
-        self.upload_interval_s = upload_interval_s
+        self.upload_interval_s, self.finish_timeout_s = upload_interval_s, finish_timeout_s
+        self.writer = self._open(purge_step=resumed_from_step + 1 if resumed_from_step else None)
+        self._closed: list[tuple[str, Path]] = []  # closed event files not uploaded yet: (name up there, here)
+        self._seq = 0
+        self._origin = f"{socket.gethostname()}.{os.getpid()}"
+        self._lock = threading.Lock()
         self._uploaded_at = time.monotonic()
-        self._background = BackgroundWriter()
+        self._background = BackgroundWriter("tensorboard upload")
+
+    def _open(self, purge_step: Optional[int] = None):
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter(str(self.local), purge_step=purge_step)
 
     def log(self, record: dict) -> None:
         for key, value in scalars_of(record).items():
             self.writer.add_scalar(key, value, record["step"])
         if time.monotonic() - self._uploaded_at >= self.upload_interval_s:
             self._uploaded_at = time.monotonic()
+            self._roll(reopen=True)
             self._background.submit("tensorboard", self._upload)
 
-    def _upload(self) -> None:
-        self.writer.flush()
-        for path in self.local.iterdir():
-            self.store.write_bytes(join(self.uri, path.name), path.read_bytes())
-
-    def finish(self) -> None:
-        self._background.submit("tensorboard", self._upload)
-        self._background.drain()
+    def _roll(self, reopen: bool) -> None:
         self.writer.close()
+        with self._lock:
+            known = {path for _, path in self._closed}
+            for path in sorted(p for p in self.local.iterdir() if p not in known):
+                # TensorBoard reads a directory's files in name order; SummaryWriter's names end in a
+                # process-wide counter that sorts "10" before "9", so the uploaded name carries our own.
+                name = f"events.out.tfevents.{time.time_ns() // 10**6:013d}.{self._seq:06d}.{self._origin}"
+                self._closed.append((name, path))
+                self._seq += 1
+        if reopen:
+            self.writer = self._open()
+
+    def _upload(self) -> None:
+        with self._lock:
+            files = list(self._closed)
+        for name, path in files:
+            self.store.write_bytes(join(self.uri, name), path.read_bytes())
+            with self._lock:
+                self._closed.remove((name, path))
+            path.unlink()
+
+    def finish(self) -> bool:
+        """Upload what is left, waiting at most `finish_timeout_s`; False (and a warning) if not all went up."""
+        self._roll(reopen=False)
+        self._background.submit("tensorboard", self._upload)
+        drained = self._background.drain(self.finish_timeout_s)
+        with self._lock:
+            left = len(self._closed)
+        if left:
+            log.warning("tensorboard: %d event files not uploaded to %s%s; they stay in %s", left, self.uri,
+                        f" after {self.finish_timeout_s:.0f} s" if not drained else "", self.local)
+            return False
+        return True
+
+
+# A tracker that is down must cost seconds, not the minutes of MLflow's default patience (7
+# retries with exponential backoff, 120-s timeouts); the user's own settings win.
+MLFLOW_PATIENCE = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                   "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
 
 
 class MlflowSink:
-    """One MLflow run per eft run, found again on resume by its `eft.run_uri` tag."""
+    """One MLflow run per eft run, found again on resume by its `eft.run_uri` tag. Everything,
+    the connection included, happens on a background thread with a bounded queue: when the
+    tracking server is down or fails a call, a warning says so and the sink turns itself off for
+    the rest of the attempt; when it hangs, the queue drops its oldest batches and `finish`
+    gives up after `finish_timeout_s`, with a warning that counts what was not sent. Training
+    never waits on MLflow for longer than that."""
 
-    def __init__(self, settings: dict, run_uri: str, params: dict):
+    def __init__(self, settings: dict, run_uri: str, params: dict, max_pending: int = 1000,
+                 finish_timeout_s: float = 30.0):
         os.environ.update(settings)
+        for key, value in MLFLOW_PATIENCE.items():
+            os.environ.setdefault(key, value)
+        self.tracking_uri = settings["MLFLOW_TRACKING_URI"]
+        self.finish_timeout_s = finish_timeout_s
+        self.enabled = True
+        self.client = self.run_id = None
+        self.sent = self.logged = 0
+        self._background = BackgroundWriter("MLflow logging", max_pending=max_pending, on_error=self._disable)
+        self._start_args = (settings, run_uri, params)
+        # Connect early; any job connects first if this one was dropped from a full queue.
+        self._background.submit("mlflow-start", self._connect)
+
+    def _connect(self):
+        if self.client is not None:
+            return self.client
+        from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
-        tracking_uri, experiment = settings["MLFLOW_TRACKING_URI"], settings.get("MLFLOW_EXPERIMENT_NAME", "eft")
-        self.client = MlflowClient(tracking_uri)
-        found = self.client.get_experiment_by_name(experiment)
-        experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
-        runs = self.client.search_runs([experiment_id], filter_string=f"tags.`eft.run_uri` = '{run_uri}'",
-                                       max_results=1)
-        self._background = BackgroundWriter()
+        settings, run_uri, params = self._start_args
+        experiment = settings.get("MLFLOW_EXPERIMENT_NAME", "eft")
+        client = MlflowClient(self.tracking_uri)
+        found = client.get_experiment_by_name(experiment)
+        experiment_id = found.experiment_id if found else client.create_experiment(experiment)
+        runs = client.search_runs([experiment_id], filter_string=f"tags.`eft.run_uri` = '{run_uri}'", max_results=1)
         if runs:
-            self.run_id = runs[0].info.run_id
+            run_id = runs[0].info.run_id
         else:
-            self.run_id = self.client.create_run(experiment_id, tags={"eft.run_uri": run_uri},
-                                                 run_name=run_uri.rstrip("/").rsplit("/", 1)[-1]).info.run_id
-            for key, value in params.items():
-                self.client.log_param(self.run_id, key, str(value)[:500])
+            run_id = client.create_run(experiment_id, tags={"eft.run_uri": run_uri},
+                                       run_name=run_uri.rstrip("/").rsplit("/", 1)[-1]).info.run_id
+            items = [Param(key, str(value)[:500]) for key, value in params.items()]
+            for i in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
+                client.log_batch(run_id, params=items[i:i + 100])
+        self.client, self.run_id = client, run_id
+        return client
+
+    def _disable(self, key: str, err: Exception) -> None:
+        if not self.enabled:
+            return
+        self.enabled = False
+        self._background.clear()
+        log.warning("MLflow at %s failed (%s: %s): MLflow logging is off for the rest of this attempt "
+                    "(%d of %d batches sent); training goes on", self.tracking_uri, type(err).__name__,
+                    str(err).splitlines()[0] if str(err) else "", self.sent, self.logged)
+
+    def _send(self, metrics: list) -> None:
+        self._connect().log_batch(self.run_id, metrics=metrics)
+        self.sent += 1
+
+    def _terminate(self) -> None:
+        self._connect().set_terminated(self.run_id)
 
     def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
         metrics = [Metric(k, v, now, record["step"]) for k, v in scalars_of(record).items()]
+        self.logged += 1
         # A key per step: batches queue in order instead of replacing each other.
-        self._background.submit(f"mlflow-{record['step']}",
-                                lambda: self.client.log_batch(self.run_id, metrics=metrics))
+        self._background.submit(f"mlflow-{record['step']}", lambda: self._send(metrics))
 
-    def finish(self) -> None:
-        self._background.drain()
-        self.client.set_terminated(self.run_id)
+    def finish(self) -> bool:
+        """Send what is queued and close the MLflow run, waiting at most `finish_timeout_s`."""
+        if self.enabled:
+            self._background.submit("mlflow-finish", self._terminate)
+        if self._background.drain(self.finish_timeout_s):
+            return self.enabled
+        self._background.clear()
+        log.warning("MLflow at %s did not answer within %.0f s: %d of %d batches sent, the rest given up; "
+                    "training goes on", self.tracking_uri, self.finish_timeout_s, self.sent, self.logged)
+        return False
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:
@@ -144,7 +268,8 @@ def flatten(tree: dict, prefix: str = "") -> dict:
 # Forwarded from the driver to the workers, which do not see the driver's environment. Never
 # the credentials (MLFLOW_TRACKING_TOKEN, _PASSWORD...): on a cluster those come from the
 # nodes' own environment (a Kubernetes secretKeyRef), so they are never written anywhere.
-FORWARDED_MLFLOW_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_ALLOW_FILE_STORE")
+FORWARDED_MLFLOW_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_ALLOW_FILE_STORE",
+                        *MLFLOW_PATIENCE)
 
 
 def mlflow_settings() -> Optional[dict]:
