@@ -218,7 +218,7 @@ class TrainingConfig(_Strict):
     # micro-batches so every rank does the same number of forward/backward passes (FSDP
     # collectives must match). The gradient is unchanged; the padding costs compute.
     pad_uneven_batches: bool = False
-    # Record the row_ids of every optimizer step in metrics.jsonl (one all-gather per logged step).
+    # Record the row_ids of every optimizer step in the run's metrics (one all-gather per logged step).
     trace_rows: bool = False
 
     @model_validator(mode="after")

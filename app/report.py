@@ -55,7 +55,7 @@ def load_run(store: Store, run_uri: str) -> dict:
     metrics = load_metrics(store, run_uri)
     events = ckpt.load_events(store, run_uri)
     if config is None and not metrics and not events:
-        raise ValueError(f"{run_uri}: no run here (no {CONFIG_FILE}, metrics.jsonl or events/)")
+        raise ValueError(f"{run_uri}: no run here (no {CONFIG_FILE}, metrics or events/)")
     has_summary = store.exists(join(run_uri, SUMMARY_FILE))
     return {
         "uri": run_uri,
