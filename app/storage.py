@@ -270,12 +270,12 @@ class Store:
 
     def _s3_object(self, uri: str):
         import boto3
-        import botocore.config
 
         bucket, _, key = uri[len("s3://"):].partition("/")
+        # Fewer attempts than other writes: a lease write that waited out the full backoff could
+        # outlive the lease it renews; the holder tries again at its next renewal instead.
         client = boto3.client("s3", endpoint_url=s3_endpoint(self.endpoint), region_name=self.region,
-                              config=botocore.config.Config(connect_timeout=10, read_timeout=30,
-                                                            retries={"mode": "standard", "max_attempts": 5}))
+                              config=boto3_config(read_timeout=30, retries={"mode": "standard", "max_attempts": 5}))
         return client, bucket, key
 
     @staticmethod
