@@ -276,4 +276,4 @@ def test_no_run_here_is_one_line_and_non_zero(s3):
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode != 0
         assert proc.stderr.strip().splitlines() == [
-            f"eft: error: {uri}: no run here (no config.yaml, metrics.jsonl or events/)"]
+            f"eft: error: {uri}: no run here (no config.yaml, metrics or events/)"]
