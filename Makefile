@@ -23,7 +23,7 @@ demo: install
 	$(VENV)/bin/eft demo
 
 test: install
-	$(VENV)/bin/pytest -q -p no:cacheprovider
+	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=30
 
 # Leaves .eft/ alone: it holds the local stack (`eft local down` stops and owns it).
 clean:
