@@ -14,14 +14,12 @@ import math
 import time
 from typing import Optional
 
-import yaml
-
 from app.storage import Store, join
 from app.summary import SUMMARY_FILE, build_interruptions, load_summary
 from app.train import checkpoint as ckpt
 from app.train.metrics import format_duration, load_heartbeats, load_metrics
+from app.train.resume import CONFIG_FILE, load_run_config
 
-CONFIG_FILE = "config.yaml"
 REPORT_DIR = "report"
 PLOT_FILE = "loss.png"
 MARKDOWN_FILE = "report.md"
@@ -32,19 +30,6 @@ NO_VALIDATION_NOTE = "no validation split: train loss only"
 
 
 # -- load ---------------------------------------------------------------------------
-
-
-def load_run_config(store: Store, run_uri: str) -> Optional[dict]:
-    """The stored config as a plain tree, not a `JobConfig`: a run written by an older
-    version must still be readable after the schema has moved on."""
-    uri = join(run_uri, CONFIG_FILE)
-    if not store.exists(uri):
-        return None
-    try:
-        tree = yaml.safe_load(store.read_text(uri))
-    except yaml.YAMLError as err:
-        raise ValueError(f"{uri}: not valid YAML ({str(err).splitlines()[0]})") from None
-    return tree if isinstance(tree, dict) else {}
 
 
 def load_run(store: Store, run_uri: str) -> dict:

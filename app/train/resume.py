@@ -77,15 +77,17 @@ def describe_identity_change(stored: dict, current: dict) -> list[str]:
     return changes
 
 
-def read_stored_config(store: Store, run_uri: str) -> Optional[dict]:
+def load_run_config(store: Store, run_uri: str) -> Optional[dict]:
+    """The run's stored config.yaml as a plain tree, not a `JobConfig`: a run written by an older
+    version must still be readable after the schema has moved on. None if the run has none."""
     uri = join(run_uri, CONFIG_FILE)
     if not store.exists(uri):
         return None
     try:
         tree = yaml.safe_load(store.read_text(uri))
     except yaml.YAMLError as err:
-        raise ResumeError(f"{uri}: not valid YAML ({str(err).splitlines()[0]})") from None
-    return tree if isinstance(tree, dict) else None
+        raise ValueError(f"{uri}: not valid YAML ({str(err).splitlines()[0]})") from None
+    return tree if isinstance(tree, dict) else {}
 
 
 def stored_lineage(store: Store, run_uri: str) -> tuple[Optional[str], Optional[dict]]:
@@ -99,7 +101,7 @@ def stored_lineage(store: Store, run_uri: str) -> tuple[Optional[str], Optional[
             return latest, {"dataset": sidecar.get("dataset"), "identity": sidecar["identity"]}
     if not any(d.startswith(ckpt.CHECKPOINT_PREFIX) for d in store.list_dirs(run_uri)):
         return None, None
-    tree = read_stored_config(store, run_uri)
+    tree = load_run_config(store, run_uri)
     if tree is None:
         return None, None
     return join(run_uri, CONFIG_FILE), {"dataset": {"uri": (tree.get("data") or {}).get("uri"), "fingerprint": None},
