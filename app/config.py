@@ -83,6 +83,10 @@ class LoraConfig(_Strict):
             raise ValueError(f"{targets}: a module name is empty")
         return targets
 
+    # QLoRA: the frozen base's linear weights are held in 4-bit NF4 (torchao), the adapters train
+    # on top in the compute dtype; checkpoints and exports hold the adapters only.
+    quantize_base: Optional[Literal["nf4"]] = None
+
 
 class DataConfig(_Strict):
     uri: str = Field(description="prepared dataset prefix (holds manifest.json once committed)")
@@ -209,7 +213,16 @@ class TrainingConfig(_Strict):
     seed: int = Field(0, ge=0, le=2**32 - 1)
     activation_checkpointing: bool = False
     mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"
-    parallelism: Literal["fsdp", "ddp"] = "fsdp"
+    # auto: DDP where `eft plan` says a replicated model fits each GPU at every world size in
+    # scaling.min..max_workers, else FSDP2 (the launcher logs the numbers behind the choice).
+    parallelism: Literal["auto", "fsdp", "ddp"] = "auto"
+    # chunked: cross-entropy over chunks of loss_chunk_tokens positions from the final hidden states,
+    # so the full [tokens, vocab] logits never exist at once. liger: liger-kernel's fused linear
+    # cross-entropy (GPU, the `liger` extra). full: logits for the whole micro-batch, then the loss.
+    loss: Literal["chunked", "liger", "full"] = "chunked"
+    loss_chunk_tokens: int = Field(1024, gt=0)
+    # Compile each decoder block with torch.compile (regional compilation, as torchtitan does).
+    compile: bool = False
     log_every_steps: int = Field(1, gt=0)
     eval_every_steps: Optional[int] = Field(None, gt=0)
     eval_max_batches: int = Field(8, gt=0)

@@ -15,6 +15,7 @@ from app.config import JobConfig, dump_config
 from app.data.lease import check_not_being_prepared, hold_reader_lease
 from app.data.manifest import load_manifest
 from app.data.stream import document_isolation
+from app.plan import apply_parallelism
 from app.storage import Store, join
 from app.summary import build_summary, write_summary
 from app.train import checkpoint as ckpt
@@ -89,6 +90,7 @@ def run_training(cfg: JobConfig, store: Store | None = None, train_fn=None) -> d
     """Preflight → trainer.fit() → summary.json. Returns the summary. `train_fn` wraps the
     worker loop (tests inject faults with it)."""
     store = store or Store.from_config(cfg.storage)
+    cfg = apply_parallelism(cfg)
     preflight(cfg, store)
     check_resume(cfg, store)
     init_ray(log_to_driver=True)
