@@ -145,6 +145,22 @@ def cmd_manifests(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from app.plan import plan_job, render_plan
+
+    cfg = _load(args)
+    plan, source = plan_job(cfg, node_type=args.node_type)
+    if args.json:
+        print(json.dumps({"config": args.config, "gpu_memory_from": source, **plan.to_dict()}, indent=2))
+    else:
+        from rich.console import Console
+
+        console = Console()
+        console.print(render_plan(cfg, plan, source))
+        console.print(f"training.parallelism auto -> {plan.choice}: {plan.why}", highlight=False)
+    return 0
+
+
 def cmd_status(args) -> int:
     from rich.console import Console
 
@@ -231,6 +247,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", default=None, metavar="DIR", help="validate every YAML under DIR (or a file)")
     p.add_argument("--crd-dir", default=None, help="KubeRay CRD directory (default: the KubeRay v1.7.0 CRDs that ship with eft)")
     p.set_defaults(fn=cmd_manifests)
+    p = with_config(sub.add_parser("plan", help="memory per GPU for DDP and FSDP2 at each world size, and "
+                                                "the parallelism auto picks"))
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--node-type", default=None,
+                   help="plan for this node type's GPUs (default: scaling.gpu_memory_gib, else p4d.24xlarge)")
+    p.set_defaults(fn=cmd_plan)
     p = sub.add_parser("status", help="state, progress, losses and restarts of a run")
     p.add_argument("run_uri", help="the run, e.g. s3://eft/runs/tiny-cpu")
     p.add_argument("--json", action="store_true", help="print the status as JSON")

@@ -259,6 +259,10 @@ class ScalingConfig(_Strict):
     use_gpu: bool = False
     cpus_per_worker: float = Field(1.0, gt=0)
     gpus_per_worker: float = Field(1.0, gt=0)
+    # Memory of each worker's GPU, as CUDA reports it (e.g. 39.4 for an A100-40GB, 79.2 for an
+    # H100-80GB): what `eft plan` and `training.parallelism: auto` fit a worker into. Unset: the
+    # A100-40GB of the `base` overlay's p4d.24xlarge (`eft plan --node-type` names another).
+    gpu_memory_gib: Optional[float] = Field(None, gt=0, le=1024)
     # Extra Ray resources each worker needs (e.g. a node-type label resource), beside CPU/GPU.
     resources_per_worker: dict[str, float] = Field(default_factory=dict)
     # How often a healthy elastic run checks whether more workers fit (and restarts bigger).
@@ -320,6 +324,9 @@ class JobConfig(_Strict):
             raise ValueError(f"data.uri {self.data.uri} and storage.root_uri {self.storage.root_uri} overlap "
                              f"(one holds the other): keep datasets and runs under separate prefixes")
         s, t = self.scaling, self.training
+        if s.gpu_memory_gib is not None and not s.use_gpu:
+            raise ValueError(f"scaling.gpu_memory_gib {s.gpu_memory_gib:g} is set but scaling.use_gpu is false "
+                             f"(CPU workers have no GPU memory to plan against)")
         if s.min_workers > s.max_workers:
             raise ValueError(f"scaling.min_workers ({s.min_workers}) > scaling.max_workers ({s.max_workers})")
         for world in range(s.min_workers, s.max_workers + 1):

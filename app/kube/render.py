@@ -78,6 +78,9 @@ class NodeType:
     # What a pod may request on the node: allocatable minus kubelet, system and DaemonSet reserve.
     cpus: int
     memory_gib: int
+    # Memory per GPU as CUDA reports it (torch.cuda.get_device_properties().total_memory), a little
+    # under the marketing GB: what `eft plan` fits a worker into.
+    gpu_memory_gib: float = 0.0
 
     @property
     def model_cache_gib(self) -> int:
@@ -91,16 +94,16 @@ class NodeType:
 
 
 NODE_TYPES = {n.name: n for n in [
-    NodeType("p4d.24xlarge", "aws", 8, "A100-40GB", 92, 1050),
-    NodeType("p4de.24xlarge", "aws", 8, "A100-80GB", 92, 1050),
-    NodeType("p5.48xlarge", "aws", 8, "H100-80GB", 188, 1900),
-    NodeType("g5.48xlarge", "aws", 8, "A10G-24GB", 188, 700),
-    NodeType("g5.12xlarge", "aws", 4, "A10G-24GB", 44, 170),
+    NodeType("p4d.24xlarge", "aws", 8, "A100-40GB", 92, 1050, 39.4),
+    NodeType("p4de.24xlarge", "aws", 8, "A100-80GB", 92, 1050, 79.2),
+    NodeType("p5.48xlarge", "aws", 8, "H100-80GB", 188, 1900, 79.2),
+    NodeType("g5.48xlarge", "aws", 8, "A10G-24GB", 188, 700, 22.0),
+    NodeType("g5.12xlarge", "aws", 4, "A10G-24GB", 44, 170, 22.0),
     NodeType("m6i.2xlarge", "aws", 0, "", 7, 26),
-    NodeType("a3-highgpu-8g", "gcp", 8, "H100-80GB", 200, 1700),
-    NodeType("a2-highgpu-8g", "gcp", 8, "A100-40GB", 92, 600),
-    NodeType("a2-ultragpu-8g", "gcp", 8, "A100-80GB", 92, 1200),
-    NodeType("g2-standard-48", "gcp", 4, "L4-24GB", 44, 170),
+    NodeType("a3-highgpu-8g", "gcp", 8, "H100-80GB", 200, 1700, 79.2),
+    NodeType("a2-highgpu-8g", "gcp", 8, "A100-40GB", 92, 600, 39.4),
+    NodeType("a2-ultragpu-8g", "gcp", 8, "A100-80GB", 92, 1200, 79.2),
+    NodeType("g2-standard-48", "gcp", 4, "L4-24GB", 44, 170, 22.0),
     NodeType("n2-standard-8", "gcp", 0, "", 7, 26),
 ]}
 

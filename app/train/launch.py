@@ -90,8 +90,9 @@ def run_training(cfg: JobConfig, store: Store | None = None, train_fn=None) -> d
     """Preflight → trainer.fit() → summary.json. Returns the summary. `train_fn` wraps the
     worker loop (tests inject faults with it)."""
     store = store or Store.from_config(cfg.storage)
-    cfg = apply_parallelism(cfg)
     preflight(cfg, store)
+    cfg, why = apply_parallelism(cfg, store)
+    log.info("training.parallelism %s: %s", cfg.training.parallelism, why)
     check_resume(cfg, store)
     init_ray(log_to_driver=True)
     started = time.time()
