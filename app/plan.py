@@ -13,8 +13,8 @@ rotary attention, gated MLP) as transformers implements it. Components, per work
   backward; two blocks at a time, the current and the prefetched one, plus the block's unsharded
   gradients for reduce-scatter) or DDP's gradient buckets (a flat copy of every gradient);
 * activations saved for backward, per micro-batch of seq_len tokens, counted tensor by tensor
-  from the block's ops; with activation checkpointing, each block's input plus one block
-  recomputed;
+  from the block's ops; with activation checkpointing, each block's input, plus one block's
+  worth while backward recomputes it (after the loss phase, so the two do not add up);
 * the loss phase: `full` holds three fp32 [tokens, vocab] buffers at once in its backward (the
   logits' fp32 copy or log-softmax, its gradient, and the gradient being formed); `chunked` two
   fp32 [loss_chunk_tokens, vocab] buffers; `liger` its own chunk;
@@ -147,6 +147,7 @@ def _layout(config_json: str, lora_json: Optional[str], storage_bytes: int, nf4:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             model = get_peft_model(model, build_peft_config(LoraConfig.model_validate_json(lora_json)))
+    # After PEFT: the blocks (adapted in place) now hold their adapters too.
     block_of = {id(p): i for i, block in enumerate(blocks) for p in block.parameters()}
     base_linear_weights = {id(m.weight) for block in blocks for name, m in block.named_modules()
                            if isinstance(m, nn.Linear) and "lora_" not in name}
@@ -167,10 +168,8 @@ def _layout(config_json: str, lora_json: Optional[str], storage_bytes: int, nf4:
             block0.append(item)
             if p.requires_grad:
                 block0_trainable.append(item)
-    adapted = {}
-    for name, module in model.named_modules():
-        if name.startswith("base_model.model.") and hasattr(module, "lora_A") and ".layers.0." in f".{name}.":
-            adapted[name.rsplit(".", 1)[-1]] = module.in_features
+    adapted = {name.rsplit(".", 1)[-1]: module.in_features for name, module in blocks[0].named_modules()
+               if hasattr(module, "lora_A")}
     hidden = config.hidden_size
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
@@ -268,11 +267,10 @@ def estimate_memory(cfg: JobConfig, model_config, world: int, parallelism: str) 
     per_layer = layer_activation_bytes(m, cfg, resid, mm)
     h, inter = m.hidden, m.intermediate
     final_norm = 4 * h + 4 + (resid * h if m.head_trainable else 0)
-    if t.activation_checkpointing:
-        saved = m.layers * resid * h + per_layer  # each block's input, plus one block recomputed
-    else:
-        saved = m.layers * per_layer
-    activations = int(tokens * (saved + final_norm))
+    # Checkpointed, each block keeps only its input until backward recomputes it, one at a time.
+    saved = int(tokens * ((m.layers * resid * h if t.activation_checkpointing else m.layers * per_layer) + final_norm))
+    recompute = int(tokens * per_layer) if t.activation_checkpointing else 0
+    activations = saved + recompute
     work = int(tokens * (2 * resid * h + 3 * mm * inter))  # one block's gradients in flight
     loss = loss_bytes(cfg, m, tokens, mm, storage, parallelism)
     buffers = m.buffer_bytes + int(tokens * 2 * m.head_dim * resid) + tokens * 16  # rotary cos/sin, ids, labels
@@ -281,7 +279,8 @@ def estimate_memory(cfg: JobConfig, model_config, world: int, parallelism: str) 
     persistent = parameters + optimizer_state + buffers + cuda_context + (sharding if parallelism == "ddp" else 0)
     in_flight = sharding if parallelism == "fsdp" else 0
     phases = {
-        "backward start": persistent + in_flight + activations + max(loss, work),
+        # The loss phase is over before the first block is recomputed.
+        "backward start": persistent + in_flight + saved + max(loss, recompute + work),
         "backward end": persistent + in_flight + gradients + work,
         "optimizer step": persistent + gradients + optimizer_step,
     }
