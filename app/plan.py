@@ -254,10 +254,12 @@ def estimate_memory(cfg: JobConfig, model_config, world: int, parallelism: str) 
     optimizer_state = 2 * m.trainable.bytes(shards)
     # foreach AdamW (GPU) takes sqrt of every second moment at once; the CPU loop, one at a time.
     optimizer_step = m.trainable.bytes(shards) if on_gpu else m.trainable.largest
-    gather = mm if compute else None
     if parallelism == "fsdp":
-        # NF4 weights are gathered as NF4; the others in param_dtype.
-        unsharded = lambda group: sum(math.prod(s) * (b if b < 1 else gather or b) for s, b in group.shapes)  # noqa: E731
+        # Gathered in param_dtype (NF4 weights as NF4); a block's gradients are unsharded in
+        # param_dtype, then copied to fp32 (reduce_dtype) for the reduce-scatter.
+        def unsharded(group: ParamGroup) -> float:
+            return sum(math.prod(s) * (b if b < 1 or not compute else compute) for s, b in group.shapes)
+
         sharding = unsharded(m.root) + 2 * unsharded(m.block) + m.block_trainable.numel * (mm + 4 if compute else mm)
     else:
         sharding = m.trainable.bytes()  # the reducer's buckets
@@ -383,7 +385,8 @@ def gpu_memory_of(cfg: JobConfig, node_type: Optional[str] = None) -> tuple[Opti
     if cfg.scaling.gpu_memory_gib is not None:
         return int(cfg.scaling.gpu_memory_gib * GIB), "scaling.gpu_memory_gib"
     node = NODE_TYPES[DEFAULT_NODE_TYPE]
-    return int(node.gpu_memory_gib * GIB), f"{DEFAULT_NODE_TYPE} ({node.gpu}, the default: scaling.gpu_memory_gib unset)"
+    return (int(node.gpu_memory_gib * GIB),
+            f"{DEFAULT_NODE_TYPE} ({node.gpu}, the default: scaling.gpu_memory_gib unset)")
 
 
 def plan_job(cfg: JobConfig, store=None, node_type: Optional[str] = None,
@@ -433,8 +436,9 @@ def render_plan(cfg: JobConfig, plan: Plan, source: str):
     headroom."""
     from rich.table import Table
 
-    budget = "no GPU" if plan.budget_bytes is None else \
-        f"{gib(plan.gpu_memory_bytes)} per GPU from {source}, {plan.headroom_fraction:.0%} headroom: {gib(plan.budget_bytes)}"
+    budget = "no GPU" if plan.budget_bytes is None else (
+        f"{gib(plan.gpu_memory_bytes)} per GPU from {source}, {plan.headroom_fraction:.0%} headroom: "
+        f"{gib(plan.budget_bytes)}")
     table = Table(title=f"{cfg.name}: memory per worker, GiB ({budget})")
     table.add_column("")
     table.add_column("world", justify="right")
@@ -447,7 +451,8 @@ def render_plan(cfg: JobConfig, plan: Plan, source: str):
         for world in shown_worlds(cfg.scaling.min_workers, cfg.scaling.max_workers):
             e = plan.estimates[(parallelism, world)]
             fits = plan.fits(parallelism, world)
+            phase = e.peak_phase.replace("backward", "bwd").replace("optimizer", "optim")
             table.add_row("DDP" if parallelism == "ddp" else "FSDP2", str(world),
                           *(f"{getattr(e, c) / GIB:.2f}" for c in COLUMNS), f"{e.total_bytes / GIB:.2f}",
-                          e.peak_phase.replace("backward", "bwd").replace("optimizer", "optim"), "-" if fits is None else ("yes" if fits else "NO"))
+                          phase, "-" if fits is None else ("yes" if fits else "NO"))
     return table
