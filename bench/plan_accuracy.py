@@ -8,6 +8,10 @@ torch.cuda.max_memory_allocated counts on GPU (CPU has no allocator statistics, 
 resident size mixes in the interpreter, libraries and glibc's cache). The prediction is
 app.plan.estimate_memory for the same config. Goal: within 20% for every case.
 
+Loss `full` only: the loop of this tree has no other path. Once app/train/loss.py's apply_loss
+is in the loop, measure_training_peak should call it after build_model, as the loop does, and
+the cases can add `loss="chunked"`.
+
     python bench/plan_accuracy.py            # all cases (~10 min on 2 cores)
     python bench/plan_accuracy.py --quick    # the smallest size only
 """
