@@ -37,9 +37,10 @@ from typing import Optional
 from app.config import JobConfig
 
 GIB = 2**30
-# Checked against measured peaks within 20% on CPU (bench/results/plan_accuracy.md); the CUDA
-# caching allocator reserves a few percent more than it hands out (block rounding, fragmentation).
-# 10% of the GPU kept free covers both without ruling out DDP where it fits comfortably.
+# The prediction lands within -5%..+12% of measured CPU peaks (bench/results/plan_accuracy.md),
+# mostly above; the CUDA caching allocator reserves a few percent more than it hands out (block
+# rounding, fragmentation). 10% of the GPU kept free covers an under-prediction of that size plus
+# the allocator, without ruling out DDP where a replicated model fits with room to spare.
 DEFAULT_HEADROOM = 0.10
 # Outside PyTorch's allocator: the CUDA context, cuBLAS/NCCL workspaces and communicator buffers.
 CUDA_CONTEXT_BYTES = 1 * GIB
