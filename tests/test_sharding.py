@@ -24,6 +24,10 @@ VARIANTS = {
     "sharded": {"lora": {**LORA, "fsdp_adapters": "sharded"}, "training": {"parallelism": "fsdp"}},
     "replicated": {"lora": LORA, "training": {"parallelism": "fsdp"}},
     "replicated_compiled": {"lora": LORA, "training": {"parallelism": "fsdp", "compile": True}},
+    # bf16 compute: FSDP2 casts what it shards; the replicated adapters compute in bf16 under autocast.
+    "sharded_bf16": {"lora": {**LORA, "fsdp_adapters": "sharded"},
+                     "training": {"parallelism": "fsdp", "mixed_precision": "bf16"}},
+    "replicated_bf16": {"lora": LORA, "training": {"parallelism": "fsdp", "mixed_precision": "bf16"}},
     "ddp_full": {"lora": None, "training": {"parallelism": "ddp"}},
     "ddp_full_compiled": {"lora": None, "training": {"parallelism": "ddp", "compile": True}},
 }
@@ -53,7 +57,7 @@ def run_variant(cfg, model_dir: Path, rank: int, world: int) -> dict:
 
     from app.dev.collectives import count_collectives
     from app.train.loop import all_reduce_sum, grad_sync_context, loss_sum
-    from app.train.model import build_model, trainable_parameters
+    from app.train.model import build_model, resolve_precision, trainable_parameters
     from app.train.sharding import (all_reduce_gradients, forward_autocast_dtype, is_compiled,
                                     replicated_parameters)
 
@@ -61,11 +65,14 @@ def run_variant(cfg, model_dir: Path, rank: int, world: int) -> dict:
     torch._dynamo.utils.counters.clear()
     model = build_model(cfg, model_dir, torch.device("cpu"), rank, world)
     params, replicated = trainable_parameters(model), replicated_parameters(model)
-    autocast = forward_autocast_dtype(model, None)
+    autocast = forward_autocast_dtype(model, resolve_precision(cfg, torch.device("cpu")).param_dtype)
     optimizer = torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.95))
     rows = torch.randint(3, VOCAB, (STEPS, world * ACCUM, SEQ), generator=torch.Generator().manual_seed(0))
     global_tokens = world * ACCUM * (SEQ - 1)
-    out = {"losses": [], "replicated": len(replicated), "state_keys": sorted(model.state_dict())}
+    out = {"losses": [], "replicated": len(replicated), "state_keys": sorted(model.state_dict()), "autocast": autocast}
+    adapter = next((m for n, m in model.named_modules() if n.endswith("lora_A.default")), None)
+    if adapter is not None:  # the dtype the adapters compute in
+        adapter.register_forward_hook(lambda m, args, result: out.update(adapter_dtype=result.dtype))
     for step in range(STEPS):
         counting = count_collectives() if step == 1 else contextlib.nullcontext()
         with counting as calls:
@@ -152,6 +159,19 @@ def test_replicated_adapters_follow_the_sharded_trajectory(results):
     assert results["sharded"]["replicated"] == 0
     assert results["replicated"]["state_keys"] == results["sharded"]["state_keys"]
     assert_same_run(results["replicated"], results["sharded"])
+
+
+def test_replicated_adapters_compute_in_bf16_like_sharded_ones(results):
+    """Under bf16 FSDP2 casts the adapters it shards; replicated ones stay fp32 masters and the forward
+    autocasts, so they compute in bf16 too, on the same trajectory up to bf16 rounding."""
+    import torch
+
+    sharded, replicated = results["sharded_bf16"], results["replicated_bf16"]
+    assert sharded["autocast"] is None and replicated["autocast"] is torch.bfloat16
+    assert sharded["adapter_dtype"] == replicated["adapter_dtype"] == torch.bfloat16
+    assert results["replicated"]["adapter_dtype"] == torch.float32
+    assert all(p.dtype == torch.float32 for p in replicated["params"].values())
+    assert replicated["losses"] == pytest.approx(sharded["losses"], rel=2e-2)
 
 
 def test_replicated_adapters_reduce_once_per_step(results):
