@@ -86,6 +86,11 @@ class LoraConfig(_Strict):
     # QLoRA: the frozen base's linear weights are held in 4-bit NF4 (torchao), the adapters train
     # on top in the compute dtype; checkpoints and exports hold the adapters only.
     quantize_base: Optional[Literal["nf4"]] = None
+    # Under FSDP2: replicated keeps the adapters whole on every rank and all-reduces their gradients
+    # once per optimizer step, while the frozen base stays sharded (fast: no per-micro-batch gathers
+    # of hundreds of small tensors); sharded shards them with their block like the base, for
+    # adapters too big to hold whole on each GPU (16 bytes a parameter with AdamW). DDP ignores it.
+    fsdp_adapters: Literal["replicated", "sharded"] = "replicated"
 
 
 class DataConfig(_Strict):

@@ -32,6 +32,7 @@ from app.train.mfu import mfu, model_flops_per_token, peak_flops
 from app.train.resume import build_lineage
 from app.train.sinks import MlflowSink, TensorBoardSink, flatten
 from app.train.model import build_model, count_parameters, resolve_precision, trainable_parameters
+from app.train.sharding import all_reduce_gradients, forward_autocast_dtype, replicated_parameters
 
 log = logging.getLogger("eft.train")
 
@@ -175,8 +176,9 @@ def train_loop_per_worker(config: dict) -> None:
     local_dir = store.cache_locally(cfg.model.uri)
     model = build_model(cfg, local_dir, device, rank, world)
     precision = resolve_precision(cfg, device)
-    autocast_dtype = precision.param_dtype if t.parallelism == "ddp" else None
+    autocast_dtype = forward_autocast_dtype(model, precision.param_dtype)
     params = trainable_parameters(model)
+    replicated = replicated_parameters(model)  # LoRA adapters under FSDP2: reduced here, once per step
     optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
     n_trainable, n_total = count_parameters(model)
     val = {"row_id": []}
@@ -243,6 +245,7 @@ def train_loop_per_worker(config: dict) -> None:
                     loss = loss_sum(model, x, y, autocast_dtype, as_positions(positions, device))
                     (loss * scale).backward()
                 loss_acc += loss.detach().double()
+            all_reduce_gradients(replicated, world)
         with timer.phase("optimizer"):
             grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip_norm or float("inf"))
             optimizer.step()

@@ -16,6 +16,8 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from app.train.sharding import adapters_to_replicate, apply_compile
+
 log = logging.getLogger(__name__)
 
 
@@ -99,13 +101,16 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
-def apply_fsdp(model: nn.Module, precision: Precision) -> None:
+def apply_fsdp(model: nn.Module, precision: Precision, replicate: frozenset = frozenset()) -> None:
+    """FSDP2 per decoder block and at the root; `replicate` (LoRA adapters, see app.train.sharding)
+    stays out of it: plain tensors on every rank, reduced by the loop once per step."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype)
+    ignored = set(replicate) or None
     for block in decoder_blocks(model):
-        fully_shard(block, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+        fully_shard(block, mp_policy=mp, ignored_params=ignored)
+    fully_shard(model, mp_policy=mp, ignored_params=ignored)
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
@@ -130,14 +135,16 @@ def load_weights_from_rank0(model: nn.Module, source: Optional[nn.Module], buffe
 
 
 def build_model(cfg, local_dir: Path, device: torch.device, rank: int, world_size: int) -> nn.Module:
-    """Base (+ LoRA) → precision → activation checkpointing → FSDP2 or DDP, weights loaded."""
+    """Base (+ LoRA) → precision → activation checkpointing → compile → FSDP2 or DDP, weights loaded."""
     precision = resolve_precision(cfg, device)
     model, buffers = build_meta_model(local_dir, precision.storage_dtype, cfg.lora)
     if cfg.training.activation_checkpointing:
         apply_activation_checkpointing(model)
+    if cfg.training.compile:
+        apply_compile(decoder_blocks(model))
     source = load_pretrained(local_dir, precision.storage_dtype, cfg.lora, cfg.training.seed) if rank == 0 else None
     if cfg.training.parallelism == "fsdp":
-        apply_fsdp(model, precision)
+        apply_fsdp(model, precision, replicate=adapters_to_replicate(cfg, model))
         load_weights_from_rank0(model, source, buffers, device)
     else:
         load_weights_from_rank0(model, source, buffers, device)
