@@ -156,6 +156,9 @@ def cmd_plan(args) -> int:
         from rich.console import Console
 
         console = Console()
+        if not console.is_terminal:
+            # Piped or logged, rich would squash the 14 columns into 80; keep them readable.
+            console = Console(width=max(console.width, 130))
         console.print(render_plan(cfg, plan, source))
         console.print(f"training.parallelism auto -> {plan.choice}: {plan.why}", highlight=False)
     return 0

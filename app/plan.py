@@ -247,21 +247,35 @@ def estimate_memory(cfg: JobConfig, model_config, world: int, parallelism: str) 
     # embedding output and residual adds in the storage dtype.
     resid = mm if parallelism == "fsdp" else storage
     shards = world if parallelism == "fsdp" else 1
+    # lora.fsdp_adapters replicated: FSDP2 ignores the adapters, so each rank holds them whole, runs
+    # them under autocast, and all-reduces their gradients through one flat bucket per step.
+    replicated = parallelism == "fsdp" and cfg.lora is not None and cfg.lora.fsdp_adapters == "replicated"
+    trainable_shards = 1 if replicated else shards
     tokens = t.micro_batch_size * cfg.data.seq_len
     on_gpu = cfg.scaling.use_gpu
 
-    parameters = m.frozen.bytes(shards) + m.trainable.bytes(shards)
-    gradients = m.trainable.bytes(shards)
-    optimizer_state = 2 * m.trainable.bytes(shards)
+    parameters = m.frozen.bytes(shards) + m.trainable.bytes(trainable_shards)
+    gradients = m.trainable.bytes(trainable_shards)
+    optimizer_state = 2 * m.trainable.bytes(trainable_shards)
     # foreach AdamW (GPU) takes sqrt of every second moment at once; the CPU loop, one at a time.
-    optimizer_step = m.trainable.bytes(shards) if on_gpu else m.trainable.largest
+    # Replicated adapters' flat gradient bucket comes just before, never with it.
+    optimizer_step = m.trainable.bytes(trainable_shards) if on_gpu else m.trainable.largest
+    if replicated and world > 1:
+        optimizer_step = max(optimizer_step, m.trainable.bytes())
     if parallelism == "fsdp":
         # Gathered in param_dtype (NF4 weights as NF4); a block's gradients are unsharded in
         # param_dtype, then copied to fp32 (reduce_dtype) for the reduce-scatter.
         def unsharded(group: ParamGroup) -> float:
             return sum(math.prod(s) * (b if b < 1 or not compute else compute) for s, b in group.shapes)
 
-        sharding = unsharded(m.root) + 2 * unsharded(m.block) + m.block_trainable.numel * (mm + 4 if compute else mm)
+        if replicated:
+            # Only the base is gathered; autocast's param_dtype copies of the adapters are saved
+            # for backward.
+            sharding = (unsharded(m.root) + 2 * (unsharded(m.block) - unsharded(m.block_trainable))
+                        + (m.trainable.numel * compute if compute else 0))
+        else:
+            sharding = (unsharded(m.root) + 2 * unsharded(m.block)
+                        + m.block_trainable.numel * (mm + 4 if compute else mm))
     else:
         sharding = m.trainable.bytes()  # the reducer's buckets
         if compute and storage == 4:
