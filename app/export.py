@@ -10,6 +10,9 @@ Both trees carry the chat template conversations were trained with (see export_t
 `AutoTokenizer.from_pretrained(tree).apply_chat_template(...)` renders the training format.
   export.json   what was exported from which checkpoint; written last, so a reader that
                 finds it finds complete trees
+A QLoRA run (`lora.quantize_base: nf4`) exports the same way: its checkpoint holds adapters only,
+the export model is the original unquantized base, and merging folds the adapters into those
+original weights (QLoRA's usual practice), never into the NF4 rounding they were trained over.
 """
 
 from __future__ import annotations

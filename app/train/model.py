@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from app.train.quantize import apply_quantization, load_nf4_from_rank0
 from app.train.sharding import adapters_to_replicate, apply_compile
 
 log = logging.getLogger(__name__)
@@ -121,8 +122,9 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
 
 
 def load_weights_from_rank0(model: nn.Module, source: Optional[nn.Module], buffers: dict,
-                            device: torch.device) -> None:
-    """Materialize `model` on `device` and fill it from rank 0's `source` (None elsewhere)."""
+                            device: torch.device, quantized: Optional[dict] = None) -> None:
+    """Materialize `model` on `device` and fill it from rank 0's `source` (None elsewhere).
+    `quantized` names the NF4 weights (see app.train.quantize), which are quantized whole."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     model.to_empty(device=device)
@@ -131,7 +133,11 @@ def load_weights_from_rank0(model: nn.Module, source: Optional[nn.Module], buffe
             if name in buffers:
                 buf.copy_(buffers[name].to(device=device, dtype=buf.dtype))
     full = source.state_dict() if source is not None else {}
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    if quantized:
+        load_nf4_from_rank0(model, quantized, full if source is not None else None, device)
+        full = {k: v for k, v in full.items() if k not in quantized}
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
+                                                               strict=not quantized))
 
 
 def build_model(cfg, local_dir: Path, device: torch.device, rank: int, world_size: int) -> nn.Module:
@@ -140,16 +146,20 @@ def build_model(cfg, local_dir: Path, device: torch.device, rank: int, world_siz
     model, buffers = build_meta_model(local_dir, precision.storage_dtype, cfg.lora)
     if cfg.training.activation_checkpointing:
         apply_activation_checkpointing(model)
+    fsdp = cfg.training.parallelism == "fsdp"
+    quantized = apply_quantization(model, cfg.lora, shards=world_size if fsdp else 1, note=rank == 0)
     if cfg.training.compile:
         apply_compile(decoder_blocks(model))
     source = load_pretrained(local_dir, precision.storage_dtype, cfg.lora, cfg.training.seed) if rank == 0 else None
-    if cfg.training.parallelism == "fsdp":
+    if fsdp:
         apply_fsdp(model, precision, replicate=adapters_to_replicate(cfg, model))
-        load_weights_from_rank0(model, source, buffers, device)
+        load_weights_from_rank0(model, source, buffers, device, quantized)
     else:
-        load_weights_from_rank0(model, source, buffers, device)
+        load_weights_from_rank0(model, source, buffers, device, quantized)
         from torch.nn.parallel import DistributedDataParallel
 
+        # Every rank quantized the same broadcast weights: DDP need not broadcast the NF4 ones again.
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, list(quantized))
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     del source
     return model

@@ -9,7 +9,8 @@ Identity keys are the ones that decide what the saved tensors are or what the da
 them means: the base model, whether LoRA is on and its shape and scale, and the seed that orders
 the rows. Everything else (steps, learning rate and schedule, batch sizes, logging, evaluation,
 checkpoint cadence, scaling, parallelism, precision, storage) may change on a resume: DCP
-reshards, the LR schedule counts steps, and the data position is a row count.
+reshards, the LR schedule counts steps, and the data position is a row count. lora.quantize_base
+counts as precision: the adapters are the same tensors over an NF4 or a bf16 base.
 """
 
 from __future__ import annotations
