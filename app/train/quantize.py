@@ -54,13 +54,10 @@ def choose_scaler_block(shape: torch.Size, shards: int) -> Optional[int]:
     """The scaler block for a weight of `shape` split over `shards` dim-0 chunks, or None if it
     cannot be quantized that way (see the module docstring)."""
     rows, numel = shape[0], math.prod(shape)
-    if numel % BLOCK_SIZE or rows % shards or numel % (BLOCK_SIZE * shards):
+    # Each rank's chunk is whole rows holding whole blocks: no block straddles two ranks.
+    if rows % shards or (numel // shards) % BLOCK_SIZE:
         return None
-    blocks_per_shard = numel // BLOCK_SIZE // shards
-    # Blocks must not straddle two ranks' chunks: a chunk holds whole rows and whole blocks.
-    if (numel // shards) % BLOCK_SIZE:
-        return None
-    return math.gcd(SCALER_BLOCK_SIZE, blocks_per_shard)
+    return math.gcd(SCALER_BLOCK_SIZE, numel // shards // BLOCK_SIZE)
 
 
 def find_base_linears(model: nn.Module, blocks: list[nn.Module]) -> dict[str, nn.Linear]:
