@@ -38,20 +38,20 @@ def save_local_base(path: Path, intermediate_size: int = 172) -> Path:
     return path
 
 
-def quantized_reference(base_dir: Path, lora_cfg, shards: int = 1):
+def quantized_reference(base_dir: Path, lora_cfg):
     """Single process: from_pretrained + LoRA (the training init), base linears made NF4."""
     from app.train.model import load_pretrained
     from app.train.quantize import apply_quantization, load_nf4_from_rank0
 
     model = load_pretrained(base_dir, torch.float32, lora_cfg, seed=0)
     plain = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    swapped = apply_quantization(model, lora_cfg, shards=shards, note=False)
+    swapped = apply_quantization(model, lora_cfg, shards=1, note=False)
     load_nf4_from_rank0(model, swapped, plain, torch.device("cpu"))
     return model, plain, swapped
 
 
-def test_scaler_blocks_divide_each_shard_or_the_weight_stays_unquantized():
-    from app.train.quantize import choose_scaler_block, nf4_bytes_per_param
+def test_scaler_blocks_divide_each_shard_or_the_weight_stays_unquantized(caplog):
+    from app.train.quantize import apply_nf4, choose_scaler_block, is_nf4, nf4_bytes_per_param
 
     assert choose_scaler_block(torch.Size([4096, 4096]), 1) == 256  # real widths: QLoRA's own blocks
     assert choose_scaler_block(torch.Size([4096, 4096]), 8) == 256
@@ -61,6 +61,13 @@ def test_scaler_blocks_divide_each_shard_or_the_weight_stays_unquantized():
     assert choose_scaler_block(torch.Size([64, 64]), 3) is None  # 64 rows do not split in 3
     assert choose_scaler_block(torch.Size([3, 7]), 1) is None  # 21 values: no block of 64
     assert nf4_bytes_per_param() == pytest.approx(0.5 + 1 / 64 + 2 / (64 * 256))
+
+    with torch.device("meta"):
+        block = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 64))
+    with caplog.at_level("WARNING", logger="app.train.quantize"):
+        swapped = apply_nf4(block, [block], shards=3, note=True)
+    assert swapped == {"0.weight": 32} and is_nf4(block[0].weight) and not is_nf4(block[1].weight)
+    assert "1.weight (64, 96)" in caplog.text  # 64 rows do not split over 3 ranks: named, kept
 
 
 def test_nf4_linears_are_close_to_the_base_and_only_the_adapters_get_gradients(tmp_path):
