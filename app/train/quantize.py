@@ -136,7 +136,8 @@ def place_nf4(linear: nn.Linear, full: torch.Tensor, scaler_block: int) -> None:
     if isinstance(current, DTensor):
         mesh = current.device_mesh
         chunk = torch.chunk(quantized, mesh.size(), dim=0)[mesh.get_local_rank()]
-        # A copy, so the full quantized tensor is freed (a chunk's inner tensors are views of it).
+        # A fresh copy: the full quantized tensor is freed (a chunk's inner tensors are views of
+        # it), and FSDP2's all-gather, which views each inner tensor as bytes, gets dense ones.
         local = quantized.new_zeros(chunk.size())
         local.copy_(chunk)
         # Built from its parts rather than by DTensor.from_local, which views the local tensor
