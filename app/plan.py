@@ -44,9 +44,6 @@ GIB = 2**30
 DEFAULT_HEADROOM = 0.10
 # Outside PyTorch's allocator: the CUDA context, cuBLAS/NCCL workspaces and communicator buffers.
 CUDA_CONTEXT_BYTES = 1 * GIB
-# torchao NF4 (app.train.quantize): 4-bit codes, an int8 scaler per 64 values, a bf16 factor per
-# 256 scalers.
-NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 2 / (64 * 256)
 # The GPU planned against when scaling.gpu_memory_gib is unset: the `base` overlay's p4d.24xlarge
 # (A100-40GB), the smallest of the 8-GPU training nodes, so a plan that fits it fits the others.
 DEFAULT_NODE_TYPE = "p4d.24xlarge"
@@ -136,6 +133,7 @@ def _layout(config_json: str, lora_json: Optional[str], storage_bytes: int, nf4:
     from app.config import LoraConfig
     from app.train.architecture import build_meta_base
     from app.train.model import build_peft_config, decoder_blocks
+    from app.train.quantize import nf4_bytes_per_param
 
     config = as_config(json.loads(config_json))
     model = build_meta_base(config)
@@ -158,7 +156,7 @@ def _layout(config_json: str, lora_json: Optional[str], storage_bytes: int, nf4:
             # Full fine-tuning trains the stored weights; PEFT keeps adapters in fp32.
             item = (tuple(p.shape), storage_bytes if lora_json is None else 4)
         elif nf4 and id(p) in base_linear_weights:
-            item = (tuple(p.shape), NF4_BYTES_PER_PARAM)
+            item = (tuple(p.shape), nf4_bytes_per_param())
         else:
             item = (tuple(p.shape), storage_bytes)
         (trainable if p.requires_grad else frozen).append(item)
