@@ -137,17 +137,21 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
 
 
 def chunk_loss_and_softmax(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, want_grad: bool):
-    """(summed CE, d CE / d logits in fp32 or None) for one chunk; the logits buffer is reused
-    in place for the gradient, so a chunk costs one fp32 [chunk, vocab] buffer plus the matmul's."""
+    """(summed CE, d CE / d logits in fp32 or None) for one chunk. The log-sum-exp is taken by hand,
+    in place in the logits buffer, which then becomes the gradient: a chunk costs one fp32
+    [chunk, vocab] buffer (torch.logsumexp and log_softmax would each allocate more of that size)."""
     logits = (h @ w.t()).float()  # as the full path: logits in the compute dtype, softmax in fp32
     valid = t != IGNORE
     safe = torch.where(valid, t, 0)
-    lse = torch.logsumexp(logits, dim=-1)
     picked = logits.gather(1, safe[:, None]).squeeze(1)
+    top = logits.amax(dim=-1, keepdim=True)
+    exps = logits.sub_(top).exp_()
+    sums = exps.sum(dim=-1, keepdim=True)
+    lse = (top + sums.log()).squeeze(1)
     loss = torch.where(valid, lse - picked, 0.0).sum()
     if not want_grad:
         return loss, None
-    grad = logits.sub_(lse[:, None]).exp_()  # softmax, in place
+    grad = exps.div_(sums)  # softmax
     grad.scatter_add_(1, safe[:, None], torch.full_like(picked[:, None], -1.0))
     grad.mul_(valid[:, None])  # unlabelled positions contribute nothing
     return loss, grad
