@@ -183,6 +183,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                         grad_w.addmm_(grad.t(), h)
                     else:
                         grad_w += grad.t() @ h
+                del grad  # else it lives on while the next chunk's logits are allocated
         ctx.save_for_backward(grad_h, grad_w)
         return total
 
