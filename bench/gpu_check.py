@@ -203,11 +203,12 @@ def predict_peak_gb(cfg, store) -> float | None:
     except Exception as err:  # a plan bug must not cost the measured runs their device time
         print(f"predicted peak: app.plan.estimate_memory failed: {type(err).__name__}: {err}", flush=True)
         return None
-    # The plan's result, as a dict or an object: its total in GB or in bytes.
-    get = estimate.get if isinstance(estimate, dict) else lambda key: getattr(estimate, key, None)
-    if get("total_gb") is not None:
-        return float(get("total_gb"))
-    return float(get("total_bytes")) / 1e9 if get("total_bytes") is not None else None
+    # As torch.cuda.max_memory_allocated counts it (the measured column): without the CUDA context.
+    for key in ("allocated_bytes", "total_bytes"):
+        value = estimate.get(key) if isinstance(estimate, dict) else getattr(estimate, key, None)
+        if value is not None:
+            return float(value) / 1e9
+    return None
 
 
 def run_matrix(root: str, store, args, size: dict, use_gpu: bool) -> tuple[list[list], int]:
@@ -253,7 +254,7 @@ def describe_matrix(size: dict, n_params: int, use_gpu: bool, steps: int) -> str
             f"{'bf16 compute' if use_gpu else 'fp32 on CPU'}; LoRA r=16 on all linear layers of the blocks (base "
             f"in bf16), full = fp32 master weights. Steady state = median over steps 3 on; step 1 includes warm-up "
             f"(and compilation); × base = against the same mode's first row. Predicted = `app.plan.estimate_memory` "
-            f"(blank where app/plan.py has none).")
+            f"(allocated bytes, as the measured column; blank where app/plan.py has none).")
 
 
 def main() -> None:
