@@ -320,9 +320,6 @@ class JobConfig(_Strict):
             raise ValueError(f"data.uri {self.data.uri} and storage.root_uri {self.storage.root_uri} overlap "
                              f"(one holds the other): keep datasets and runs under separate prefixes")
         s, t = self.scaling, self.training
-        if t.loss == "liger" and not s.use_gpu:
-            raise ValueError("training.loss liger needs scaling.use_gpu: true (liger-kernel runs on GPU only); "
-                             "use training.loss: chunked on CPU")
         if s.min_workers > s.max_workers:
             raise ValueError(f"scaling.min_workers ({s.min_workers}) > scaling.max_workers ({s.max_workers})")
         for world in range(s.min_workers, s.max_workers + 1):
@@ -335,6 +332,9 @@ class JobConfig(_Strict):
                     f"{world} workers x micro_batch_size {t.micro_batch_size} (world size {world} "
                     f"is in scaling.min_workers..max_workers; or set training.pad_uneven_batches: true)"
                 )
+        if t.loss == "liger" and not s.use_gpu:
+            raise ValueError("training.loss liger needs scaling.use_gpu: true (liger-kernel runs on GPU only); "
+                             "use training.loss: chunked on CPU")
         return self
 
     @property
