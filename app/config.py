@@ -344,6 +344,9 @@ class JobConfig(_Strict):
                     f"{world} workers x micro_batch_size {t.micro_batch_size} (world size {world} "
                     f"is in scaling.min_workers..max_workers; or set training.pad_uneven_batches: true)"
                 )
+        if t.loss == "liger" and not s.use_gpu:
+            raise ValueError("training.loss liger needs scaling.use_gpu: true (liger-kernel runs on GPU only); "
+                             "use training.loss: chunked on CPU")
         return self
 
     @property

@@ -1,13 +1,25 @@
-"""GPU check: a short LoRA and a short full fine-tune of a ~1B-parameter random-init Llama
-(bf16 compute, FSDP2, one GPU) through the same prepare job and train loop as every run.
-Prints tokens/s, MFU and peak memory, and the same fine-tunes' tokens/s in the plain-PyTorch
-loop of bench/bare_loop.py (same model, rows, batch and precision; no Ray, no FSDP, no
-checkpoint), and saves them to bench/results/gpu_check.{json,md}. Meant for one H100/H200 and
-about 5 minutes; CI never runs it.
+"""GPU check: short LoRA and full fine-tunes of random-init Llamas (bf16 compute, one GPU)
+through the same prepare job and train loop as every run. Two shapes:
+
+- `--shape 1b` (default): ~1B parameters, FSDP2; tokens/s, MFU and peak memory next to the same
+  fine-tunes in the plain-PyTorch loop of bench/bare_loop.py (same model, rows, batch and
+  precision; no Ray, no FSDP, no checkpoint). About 5 minutes on an H100/H200.
+- `--shape 8b`: Llama-3-8B dimensions (hidden 4096, 32 heads, 8 KV heads, MLP 14336, vocab 128256,
+  seq_len 2048) with `--layers` of the 32 decoder layers (default 4, so that eight runs, a
+  full fine-tune's optimizer state and its checkpoints fit one GPU, its disk and 10 minutes),
+  LoRA and full, each side by side with `training.loss` full vs chunked and `training.compile`
+  off vs on (by default full/off, chunked/off, chunked/on: each factor against the baseline;
+  `--combos` adds full/on): tokens/s, MFU, peak memory and the memory plan's prediction
+  (`app.plan.estimate_memory`, where it exists). Sized for ≤ 10 minutes on an H200 (not yet
+  timed on one).
+
+Results go to bench/results/gpu_check.{json,md} (1b) or gpu_check_8b.{json,md}. CI never runs it.
 
     .venv/bin/python bench/gpu_check.py [--lora-steps 30] [--full-steps 20] [--local-dir DIR]
                                         [--runs lora,full]  # also: lora-ddp (LoRA under DDP, not FSDP2)
-    .venv/bin/python bench/gpu_check.py --smoke     # tiny model on CPU: checks the script itself
+    .venv/bin/python bench/gpu_check.py --shape 8b --local-dir DIR [--layers 4] [--steps 6]
+                                        [--combos full:off,chunked:off,chunked:on,full:on]
+    .venv/bin/python bench/gpu_check.py [--shape 8b] --smoke   # tiny model on CPU: checks the script itself
 
 Storage is the embedded local S3 endpoint, or with --local-dir a local directory (for a GPU
 machine that has Ray and the model libraries but not the local-stack packages).
@@ -32,24 +44,45 @@ from bench.common import markdown_table, save_result  # noqa: E402
 # Width 2048, 18 layers, MLP 5504, vocab 8192: ~1.0B parameters.
 FULL_SIZE = {"hidden_size": 2048, "num_layers": 18, "num_heads": 16, "intermediate_size": 5504, "vocab": 8192,
              "seq_len": 2048}
+# Llama-3-8B's dimensions; `--layers` sets how many of its 32 decoder layers are built.
+LLAMA3_8B_SIZE = {"hidden_size": 4096, "num_layers": 32, "num_heads": 32, "num_kv_heads": 8,
+                  "intermediate_size": 14336, "vocab": 128256, "seq_len": 2048}
 SMOKE_SIZE = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 128, "vocab": 512,
               "seq_len": 128}
+# --combos for --shape 8b: training.loss : training.compile. The first is each mode's baseline.
+# By default three of the four, to fit 10 minutes of device time: each factor against the baseline.
+COMBOS = ["full:off", "chunked:off", "chunked:on", "full:on"]
+DEFAULT_COMBOS = COMBOS[:3]
 # --runs: label, LoRA?, parallelism.
 RUNS = {"lora": ("LoRA r=16", True, "fsdp"), "full": ("full", False, "fsdp"),
         "lora-ddp": ("LoRA r=16, DDP", True, "ddp")}
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
+def build_random_llama(tokenizer, size: dict):
+    """Random init straight in bf16. The vocabulary is the shape's, even where the tokenizer
+    trained on the small corpus has fewer tokens (ids past it are simply never seen)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=max(size["vocab"], len(tokenizer)), hidden_size=size["hidden_size"],
+        intermediate_size=size["intermediate_size"], num_hidden_layers=size["num_layers"],
+        num_attention_heads=size["num_heads"], num_key_value_heads=size.get("num_kv_heads", size["num_heads"]),
+        max_position_embeddings=size["seq_len"], bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
+        initializer_range=0.02,
+    )
+    return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+
+
 def save_base(store, base_uri: str, texts: list[str], size: dict) -> int:
     """A random-init Llama in Hugging Face format, stored in bf16 as real checkpoints are."""
-    import torch
+    from app.dev.tiny import build_tiny_tokenizer
 
-    from app.dev.tiny import build_tiny_model, build_tiny_tokenizer
-
-    tokenizer = build_tiny_tokenizer(texts, vocab_size=size["vocab"])
-    model = build_tiny_model(tokenizer, hidden_size=size["hidden_size"], num_layers=size["num_layers"],
-                             num_heads=size["num_heads"], intermediate_size=size["intermediate_size"],
-                             max_positions=size["seq_len"], initializer_range=0.02).to(torch.bfloat16)
+    tokenizer = build_tiny_tokenizer(texts, vocab_size=min(size["vocab"], 8192))
+    model = build_random_llama(tokenizer, size)
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
@@ -57,7 +90,8 @@ def save_base(store, base_uri: str, texts: list[str], size: dict) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def build_job(root: str, name: str, steps: int, lora: bool, size: dict, use_gpu: bool, parallelism: str = "fsdp"):
+def build_job(root: str, name: str, steps: int, lora: bool, size: dict, use_gpu: bool, parallelism: str = "fsdp",
+              loss: str = "chunked", compile: bool = False, global_batch: int = 16, micro_batch: int = 4):
     from app.config import build_config
 
     return build_config({
@@ -67,8 +101,8 @@ def build_job(root: str, name: str, steps: int, lora: bool, size: dict, use_gpu:
         "lora": {"r": 16, "alpha": 32, "target_modules": LORA_TARGETS} if lora else None,
         "data": {"uri": f"{root}/data/gpu-check", "seq_len": size["seq_len"]},
         "prepare": {"input_uri": f"{root}/raw/gpu-check.jsonl"},
-        "training": {"max_steps": steps, "global_batch_size": 16, "micro_batch_size": 4, "lr": 1e-4,
-                     "parallelism": parallelism,
+        "training": {"max_steps": steps, "global_batch_size": global_batch, "micro_batch_size": micro_batch,
+                     "lr": 1e-4, "parallelism": parallelism, "loss": loss, "loss_chunk_tokens": 1024, "compile": compile,
                      "mixed_precision": "bf16" if use_gpu else "fp32", "log_every_steps": 1},
         "checkpoint": {"save_every_steps": steps},
         "scaling": {"min_workers": 1, "max_workers": 1, "use_gpu": use_gpu, "cpus_per_worker": 4 if use_gpu else 1},
@@ -101,14 +135,11 @@ def fmt(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
-def run_check(root: str, store, args, size: dict, use_gpu: bool) -> tuple[list[list], int]:
-    import ray
-
+def prepare_base_and_data(root: str, store, size: dict, use_gpu: bool) -> int:
+    """The random base and the prepared corpus every run of the check trains on; Ray started."""
+    from app.cluster import init_ray
     from app.data.prepare import prepare_dataset
     from app.dev.tiny import build_corpus, write_jsonl
-    from app.cluster import init_ray
-    from app.train.launch import run_training
-    from app.train.metrics import load_metrics
 
     t0 = time.monotonic()
     texts = build_corpus()
@@ -120,6 +151,16 @@ def run_check(root: str, store, args, size: dict, use_gpu: bool) -> tuple[list[l
         store.write_bytes(f"{root}/raw/gpu-check.jsonl", raw.read_bytes())
     init_ray()
     prepare_dataset(build_job(root, "prepare", 1, True, size, use_gpu), store)
+    return n_params
+
+
+def run_check(root: str, store, args, size: dict, use_gpu: bool) -> tuple[list[list], int]:
+    import ray
+
+    from app.train.launch import run_training
+    from app.train.metrics import load_metrics
+
+    n_params = prepare_base_and_data(root, store, size, use_gpu)
     runs = []
     for run in args.runs:
         name, lora, parallelism = RUNS[run]
@@ -149,6 +190,73 @@ def run_check(root: str, store, args, size: dict, use_gpu: bool) -> tuple[list[l
     return rows, n_params
 
 
+def predict_peak_gb(cfg, store) -> float | None:
+    """The memory plan's per-GPU peak for this run, where app/plan.py has one (None otherwise)."""
+    import app.plan
+    from app.train.architecture import load_model_config
+
+    if not hasattr(app.plan, "estimate_memory"):
+        return None
+    try:
+        estimate = app.plan.estimate_memory(cfg, load_model_config(store, cfg.model.uri), world=1,
+                                            parallelism=cfg.training.parallelism)
+    except Exception as err:  # a plan bug must not cost the measured runs their device time
+        print(f"predicted peak: app.plan.estimate_memory failed: {type(err).__name__}: {err}", flush=True)
+        return None
+    # As torch.cuda.max_memory_allocated counts it (the measured column): without the CUDA context.
+    for key in ("allocated_bytes", "total_bytes"):
+        value = estimate.get(key) if isinstance(estimate, dict) else getattr(estimate, key, None)
+        if value is not None:
+            return float(value) / 1e9
+    return None
+
+
+def run_matrix(root: str, store, args, size: dict, use_gpu: bool) -> tuple[list[list], int]:
+    """LoRA and full, each with every (training.loss, training.compile) of --combos; one run's
+    files are deleted before the next starts (a full fine-tune's checkpoint is ~12 bytes/parameter)."""
+    from app.train.launch import run_training
+    from app.train.metrics import load_metrics
+
+    n_params = prepare_base_and_data(root, store, size, use_gpu)
+    rows = []
+    for mode in args.runs:
+        lora = mode == "lora"
+        baseline: dict = {}
+        for combo in args.combos:
+            loss, compiled = combo.split(":")
+            cfg = build_job(root, f"gpu8b-{mode}-{loss}-{compiled}", args.steps, lora, size, use_gpu,
+                            loss=loss, compile=compiled == "on", global_batch=8, micro_batch=4)
+            predicted = predict_peak_gb(cfg, store)
+            started = time.monotonic()
+            summary = run_training(cfg, store)
+            wall = time.monotonic() - started
+            metrics = load_metrics(store, cfg.run_uri)
+            store.delete_prefix(cfg.run_uri)
+            rate = steady(metrics, "tokens_per_s")
+            peak = steady(metrics, "peak_mem_gb") or steady(metrics, "peak_rss_gb")
+            baseline = baseline or {"rate": rate, "peak": peak}
+            rows.append([RUNS[mode][0], loss, compiled, summary["steps"], fmt(rate, ",.0f"),
+                         fmt(rate / baseline["rate"] if rate and baseline["rate"] else None, ".2f"),
+                         fmt(steady(metrics, "mfu"), ".1%"), fmt(peak, ".1f"),
+                         fmt(peak / baseline["peak"] if peak and baseline["peak"] else None, ".2f"),
+                         fmt(predicted, ".1f"), fmt(steady(metrics, "step_time_s"), ".3f"),
+                         fmt(metrics[0].get("step_time_s") if metrics else None, ".1f"), f"{wall:.0f}",
+                         round(summary["final_train_loss"], 3)])
+            print(rows[-1], flush=True)
+    return rows, n_params
+
+
+def describe_matrix(size: dict, n_params: int, use_gpu: bool, steps: int) -> str:
+    return (f"Random-init Llama with Llama-3-8B dimensions (hidden {size['hidden_size']}, {size['num_heads']} heads, "
+            f"{size.get('num_kv_heads', size['num_heads'])} KV heads, MLP {size['intermediate_size']}, vocab "
+            f"{size['vocab']}) but **{size['num_layers']} of its 32 decoder layers**: {n_params / 1e9:.2f}B parameters. "
+            f"seq_len {size['seq_len']}, global batch 8 = micro 4 × accum 2, {steps} steps, one worker, FSDP2, "
+            f"{'bf16 compute' if use_gpu else 'fp32 on CPU'}; LoRA r=16 on all linear layers of the blocks (base "
+            f"in bf16), full = fp32 master weights. Steady state = median over steps 3 on; step 1 includes warm-up "
+            f"(and compilation); × base = against the same mode's first row. Predicted = `app.plan.estimate_memory` "
+            f"(allocated bytes, as the measured column; blank where app/plan.py has none).")
+
+
 def main() -> None:
     import ray
 
@@ -159,12 +267,25 @@ def main() -> None:
                         help=f"comma-separated, of {', '.join(RUNS)}")
     parser.add_argument("--local-dir", help="keep model, data and runs under this directory instead of local S3")
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU, 3 steps each, nothing saved")
+    parser.add_argument("--shape", choices=["1b", "8b"], default="1b")
+    parser.add_argument("--layers", type=int, default=4, help="--shape 8b: decoder layers built, of Llama-3-8B's 32")
+    parser.add_argument("--steps", type=int, default=6, help="--shape 8b: steps per run")
+    parser.add_argument("--combos", default=",".join(DEFAULT_COMBOS), type=lambda v: v.split(","),
+                        help="--shape 8b: comma-separated training.loss:compile pairs, the first the baseline")
     args = parser.parse_args()
     if unknown := set(args.runs) - set(RUNS):
         parser.error(f"--runs: unknown run(s) {', '.join(sorted(unknown))} (choose from {', '.join(RUNS)})")
+    if args.shape == "8b" and (unknown := set(args.combos) - set(COMBOS)):
+        parser.error(f"--combos: unknown pair(s) {', '.join(sorted(unknown))} (choose from {', '.join(COMBOS)})")
+    if args.shape == "8b" and "lora-ddp" in args.runs:
+        parser.error("--runs lora-ddp: --shape 8b runs lora and full under FSDP2")
     if args.smoke:
-        args.lora_steps = args.full_steps = 3
-    size, use_gpu = (SMOKE_SIZE, False) if args.smoke else (FULL_SIZE, True)
+        args.lora_steps = args.full_steps = args.steps = 3
+        size, use_gpu = SMOKE_SIZE, False
+    elif args.shape == "8b":
+        size, use_gpu = {**LLAMA3_8B_SIZE, "num_layers": args.layers}, True
+    else:
+        size, use_gpu = FULL_SIZE, True
 
     from app.storage import Store
 
@@ -178,7 +299,22 @@ def main() -> None:
             stack.enter_context(local.serve_s3())
             root = "s3://eft/gpu-check"
         stack.callback(ray.shutdown)
-        rows, n_params = run_check(root, Store(), args, size, use_gpu)
+        if args.shape == "8b":
+            rows, n_params = run_matrix(root, Store(), args, size, use_gpu)
+        else:
+            rows, n_params = run_check(root, Store(), args, size, use_gpu)
+    if args.shape == "8b":
+        table = "\n\n".join([
+            describe_matrix(size, n_params, use_gpu, args.steps),
+            markdown_table(["run", "training.loss", "compile", "steps", "tokens/s", "× base", "MFU", "peak GB",
+                            "× base", "predicted GB", "step s", "step 1 s", "run wall s", "final loss"], rows),
+            f"Whole check: {time.monotonic() - wall0:.0f} s.",
+        ])
+        if args.smoke:
+            print(table)
+        else:
+            save_result("gpu_check_8b", {"rows": rows, "parameters": n_params, "size": size}, table)
+        return
     table = "\n\n".join([
         f"Random-init Llama, {n_params / 1e9:.2f}B parameters (hidden {size['hidden_size']}, {size['num_layers']} "
         f"layers, vocab {size['vocab']}), seq_len {size['seq_len']}, global batch 16 = micro 4 × accum 4, one "

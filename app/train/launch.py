@@ -21,6 +21,7 @@ from app.summary import build_summary, write_summary
 from app.train import checkpoint as ckpt
 from app.train.architecture import check_lora_targets, check_seq_len, load_model_config
 from app.train.elastic import NodeWatcher, build_refresh_callback
+from app.train.loss import check_loss_setup
 from app.train.sinks import mlflow_settings
 from app.train.model import ModelError
 from app.train.resume import check_resume
@@ -52,6 +53,7 @@ def preflight(cfg: JobConfig, store: Store) -> dict:
     check_seq_len(cfg.data.seq_len, model_config, cfg.model.uri)
     if cfg.lora is not None:
         check_lora_targets(cfg.lora, model_config, cfg.model.uri)
+    check_loss_setup(cfg, model_config)
     return manifest
 
 

@@ -18,7 +18,6 @@ from typing import Optional
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from app.config import JobConfig
 from app.data.manifest import load_manifest, shard_uris
@@ -27,6 +26,7 @@ from app.data.stream import (DataOrder, RankSlice, document_isolation, iter_rank
                              load_split_rows, micro_batches_per_step, prefetch_in_background)
 from app.storage import Store
 from app.train import checkpoint as ckpt
+from app.train.loss import apply_loss, loss_sum
 from app.train.metrics import Heartbeat, MetricsLog, StepTimer, format_progress, peak_memory
 from app.train.mfu import mfu, model_flops_per_token, peak_flops
 from app.train.resume import build_lineage
@@ -64,20 +64,6 @@ def setup_worker_logging(rank: int) -> None:
     logging.basicConfig(level=level, format="%(asctime)s [eft] %(message)s", force=True)
     for noisy in ("ray.data", "ray.train", "transformers", "peft", "accelerate"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-
-
-def loss_sum(model, input_ids: torch.Tensor, labels: torch.Tensor, autocast_dtype,
-             position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Summed next-token cross-entropy over labelled positions (normalized by the caller).
-
-    With `position_ids` (restarting at 0 at each packed document's start) and neither an attention
-    mask nor a KV cache, transformers detects the packed documents and builds a block-causal mask
-    (masking_utils.find_packed_sequence_indices): no token attends across a document boundary."""
-    kwargs = {} if position_ids is None else {"position_ids": position_ids}
-    with torch.autocast(input_ids.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-        logits = model(input_ids=input_ids, use_cache=False, **kwargs).logits
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-                           ignore_index=IGNORE, reduction="sum")
 
 
 def as_positions(positions: Optional[np.ndarray], device) -> Optional[torch.Tensor]:
@@ -175,6 +161,7 @@ def train_loop_per_worker(config: dict) -> None:
 
     local_dir = store.cache_locally(cfg.model.uri)
     model = build_model(cfg, local_dir, device, rank, world)
+    apply_loss(model, t.loss, t.loss_chunk_tokens)  # train and evaluate both go through loss_sum
     precision = resolve_precision(cfg, device)
     autocast_dtype = forward_autocast_dtype(model, precision.param_dtype)
     params = trainable_parameters(model)
