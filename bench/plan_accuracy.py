@@ -8,9 +8,9 @@ torch.cuda.max_memory_allocated counts on GPU (CPU has no allocator statistics, 
 resident size mixes in the interpreter, libraries and glibc's cache). The prediction is
 app.plan.estimate_memory for the same config. Goal: within 20% for every case.
 
-Loss `full` only: the loop of this tree has no other path. Once app/train/loss.py's apply_loss
-is in the loop, measure_training_peak should call it after build_model, as the loop does, and
-the cases can add `loss="chunked"`.
+Each case runs with `training.loss: full` and with `chunked` (the default), which the loop applies
+after build_model (app.train.loss.apply_loss); LoRA under FSDP2 keeps its adapters replicated
+(lora.fsdp_adapters default).
 
     python bench/plan_accuracy.py            # all cases (~10 min on 2 cores)
     python bench/plan_accuracy.py --quick    # the smallest size only
@@ -19,6 +19,7 @@ the cases can add `loss="chunked"`.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import socket
@@ -51,6 +52,7 @@ VARIANTS = [  # name, lora, activation checkpointing, parallelism, world
 ]
 LORA = {"r": 16, "alpha": 32.0, "dropout": 0.0,
         "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+LOSSES = ("full", "chunked")
 TOLERANCE = 0.20
 
 
@@ -133,29 +135,30 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for size in sizes:
             model_dir = save_model(size, Path(tmp) / f"h{size[0]}")
-            for name, lora, ac, parallelism, world in VARIANTS:
+            for (name, lora, ac, parallelism, world), loss in itertools.product(VARIANTS, LOSSES):
                 if world > 1 and size != SIZES[0]:
                     continue
-                cfg = build_case_config(model_dir, lora, ac, parallelism, world)
+                cfg = build_case_config(model_dir, lora, ac, parallelism, world, loss=loss)
                 estimate = predict(cfg, model_dir, world)
                 measured = measure(cfg, model_dir, world)
                 error = estimate.total_bytes / measured - 1
                 case = {"hidden": size[0], "layers": size[1], "heads": size[2], "intermediate": size[3],
-                        "vocab": VOCAB, "seq_len": SEQ_LEN, "variant": name, "parallelism": parallelism,
+                        "vocab": VOCAB, "seq_len": SEQ_LEN, "variant": name, "loss": loss, "parallelism": parallelism,
                         "world": world, "predicted_bytes": estimate.total_bytes, "measured_bytes": measured,
                         "error": error, "peak_phase": estimate.peak_phase, "estimate": estimate.to_dict()}
                 cases.append(case)
-                rows.append([f"{size[0]}x{size[1]}", name, parallelism, world, f"{measured / 2**20:,.0f}",
+                rows.append([f"{size[0]}x{size[1]}", name, loss, parallelism, world, f"{measured / 2**20:,.0f}",
                              f"{estimate.total_bytes / 2**20:,.0f}", f"{error:+.1%}", estimate.peak_phase])
                 print(rows[-1], flush=True)
     worst = max(abs(c["error"]) for c in cases)
     table = (
         f"Peak tensor bytes per worker: predicted by `app.plan.estimate_memory` vs measured over two "
         f"optimizer steps of real training (app.train.model.build_model + the loop's loss_sum, fp32 on "
-        f"CPU, gloo), random-init Llama, vocab {VOCAB}, seq_len {SEQ_LEN}, micro-batch 1, loss `full`, "
+        f"CPU, gloo), random-init Llama, vocab {VOCAB}, seq_len {SEQ_LEN}, micro-batch 1, loss `full` and `chunked` "
+        f"(chunks of 1,024 tokens), "
         f"LoRA r 16 on every linear. Measured with app.dev.memory.PeakTracker (live tensor storages, "
         f"the CPU analogue of torch.cuda.max_memory_allocated).\n\n"
-        + markdown_table(["model (hidden x layers)", "variant", "parallelism", "world", "measured MiB",
+        + markdown_table(["model (hidden x layers)", "variant", "loss", "parallelism", "world", "measured MiB",
                           "predicted MiB", "error", "predicted peak at"], rows)
         + f"\n\n**Worst error: {worst:.1%}** (goal: within {TOLERANCE:.0%}: "
           f"{'met' if worst <= TOLERANCE else 'NOT met'}).\n"

@@ -88,11 +88,13 @@ class PeakTracker(TorchDispatchMode):
 def measure_training_peak(cfg, local_dir, rank: int, world: int, steps: int = 2) -> dict:
     """Build the model as a worker does (app.train.model.build_model: FSDP2 or DDP, precision,
     activation checkpointing) inside a tracker, then run `steps` optimizer steps of the loop's
-    own forward/backward (app.train.loop.loss_sum) on random tokens. Returns the peak of the
+    own forward/backward (app.train.loss.loss_sum, after apply_loss as the loop calls it) on random tokens. Returns the peak of the
     steps (the build's own transient copies are not part of training) and the bytes held
     before them. Needs torch.distributed initialized (gloo)."""
-    from app.train.loop import grad_sync_context, loss_sum
+    from app.train.loop import grad_sync_context
+    from app.train.loss import apply_loss, loss_sum
     from app.train.model import build_model, resolve_precision, trainable_parameters
+    from app.train.sharding import all_reduce_gradients, forward_autocast_dtype, replicated_parameters
 
     device = torch.device("cpu")
     t = cfg.training
@@ -100,11 +102,13 @@ def measure_training_peak(cfg, local_dir, rank: int, world: int, steps: int = 2)
     generator = torch.Generator().manual_seed(rank)
     with PeakTracker() as tracker:
         model = build_model(cfg, local_dir, device, rank, world)
+        apply_loss(model, t.loss, t.loss_chunk_tokens)
         for p in model.parameters():
             tracker.track(p)
         params = trainable_parameters(model)
         optimizer = torch.optim.AdamW(params, lr=1e-5, betas=(0.9, 0.95))
-        autocast = resolve_precision(cfg, device).param_dtype if t.parallelism == "ddp" else None
+        autocast = forward_autocast_dtype(model, resolve_precision(cfg, device).param_dtype)
+        replicated = replicated_parameters(model)
         vocab = model.module.config.vocab_size if hasattr(model, "module") else model.config.vocab_size
         shape = (t.micro_batch_size, cfg.data.seq_len)
         tracker.reset_peak()
@@ -115,6 +119,7 @@ def measure_training_peak(cfg, local_dir, rank: int, world: int, steps: int = 2)
                 x = torch.randint(0, vocab, shape, generator=generator)
                 with grad_sync_context(model, enabled=i == accum - 1):
                     loss_sum(model, x, x, autocast).backward()
+            all_reduce_gradients(replicated, world)
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
