@@ -118,3 +118,25 @@ def test_each_node_reads_its_share_and_the_model_equals_from_pretrained(s3, tmp_
     print(f"bytes read per node: {per_node} of {loaded['weights_bytes']} weight bytes")
     for node, read in per_node.items():
         assert read <= 1.2 * loaded["weights_bytes"] / 2, (node, read, loaded["weights_bytes"])
+
+
+def test_a_tied_head_reads_the_embedding_it_is_tied_to(tmp_path):
+    """A checkpoint of a model with tied embeddings holds no lm_head: the unsharded (DDP) build
+    fills it from the embedding's bytes, as from_pretrained ties it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from app.train.model import build_meta_model
+    from app.train.weights import load_owned_weights
+
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    store = Store()
+    model, buffers = build_meta_model(tmp_path, torch.float32)
+    load_owned_weights(model, store, str(tmp_path), list_safetensors(store, str(tmp_path)), buffers,
+                       torch.device("cpu"), seed=0)
+    reference = LlamaForCausalLM.from_pretrained(tmp_path).state_dict()
+    got = model.state_dict()
+    assert set(got) == set(reference)
+    for name, want in reference.items():
+        assert torch.equal(got[name], want), name

@@ -179,13 +179,18 @@ def load_owned_weights(model: nn.Module, store: Store, uri: str, files: dict[str
         if name in buffers:
             buf.copy_(buffers[name].to(device=device, dtype=buf.dtype))
     index = read_safetensors_index(store, uri, files)
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    # A tied head is in no file: it reads its source's bytes (from_pretrained's values; the meta
+    # build does not tie, so it stays a separate parameter, as the broadcast path left it).
+    tied = inner.get_expanded_tied_weights_keys(all_submodels=True) if hasattr(
+        inner, "get_expanded_tied_weights_keys") else {}
     jobs = []
     for name, param in model.named_parameters():
         local, shape, offset = local_slice(param)
         if is_adapter(name):
             local.copy_(narrow_to(init_adapter(name, tuple(param.shape), seed), shape, offset))
             continue
-        stored = index.get(checkpoint_name(name))
+        stored = index.get(checkpoint_name(name)) or index.get(tied.get(checkpoint_name(name), ""))
         if stored is None:
             raise WeightsError(f"{uri}: no tensor {checkpoint_name(name)} in its safetensors files")
         if stored.shape != tuple(param.shape):
