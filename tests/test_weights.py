@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from app.storage import Store, join
-from app.train.weights import (WeightsError, init_adapter, list_safetensors, read_header, read_safetensors_index)
+from app.train.model import ModelError
+from app.train.weights import init_adapter, list_safetensors, read_header, read_safetensors_index
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,10 +69,10 @@ def test_a_bad_weights_file_is_named_in_one_line(s3):
     store = Store()
     uri = "s3://eft/models/bad-weights"
     store.write_bytes(join(uri, "model.safetensors"), (10**9).to_bytes(8, "little") + b"{}")
-    with pytest.raises(WeightsError, match=r"s3://eft/models/bad-weights/model.safetensors: not a safetensors"):
+    with pytest.raises(ModelError, match=r"s3://eft/models/bad-weights/model.safetensors: not a safetensors"):
         read_header(store, join(uri, "model.safetensors"), 10)
     store.write_json(join(uri, "model.safetensors.index.json"), {"weight_map": {"w": "missing.safetensors"}})
-    with pytest.raises(WeightsError, match=r"index.json: names missing.safetensors, which is not in"):
+    with pytest.raises(ModelError, match=r"index.json: names missing.safetensors, which is not in"):
         list_safetensors(store, uri)
 
 
@@ -86,7 +87,7 @@ def test_adapter_init_is_a_function_of_seed_and_name():
     bound = 1 / math.sqrt(64)
     assert float(a.abs().max()) <= bound and float(a.std()) == pytest.approx(bound / math.sqrt(3), rel=0.15)
     assert not init_adapter(name.replace("lora_A", "lora_B"), (64, 8), seed=0).any()
-    with pytest.raises(WeightsError, match="lora_magnitude_vector"):
+    with pytest.raises(ModelError, match="lora_magnitude_vector"):
         init_adapter("x.lora_magnitude_vector.default.weight", (8,), seed=0)
 
 

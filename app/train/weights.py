@@ -17,6 +17,7 @@ import hashlib
 import json
 import math
 import struct
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
@@ -25,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from app.storage import Store, join
+from app.train.model import ModelError
 
 INDEX = "model.safetensors.index.json"
 # The files a model directory's weights may live in: left out of the node-local copy of the small
@@ -37,10 +39,8 @@ DTYPES = {
 }
 # Ranged reads in flight per rank: a store answers many GETs at once far faster than in turn.
 READ_THREADS = 8
-
-
-class WeightsError(ValueError):
-    """A model's safetensors files do not hold what the model needs."""
+# Reads done but not yet placed, at most: bounds the host memory a slow placement can pile up.
+READ_AHEAD = 2 * READ_THREADS
 
 
 @dataclass(frozen=True)
@@ -74,11 +74,11 @@ def list_safetensors(store: Store, uri: str) -> Optional[dict[str, int]]:
     if INDEX in sizes:
         weight_map = store.read_json(join(uri, INDEX)).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
-            raise WeightsError(f"{join(uri, INDEX)}: no weight_map")
+            raise ModelError(f"{join(uri, INDEX)}: no weight_map")
         files = sorted(set(weight_map.values()))
         missing = [f for f in files if f not in sizes]
         if missing:
-            raise WeightsError(f"{join(uri, INDEX)}: names {missing[0]}, which is not in {uri}")
+            raise ModelError(f"{join(uri, INDEX)}: names {missing[0]}, which is not in {uri}")
         return {f: sizes[f] for f in files}
     files = {f: size for f, size in sorted(sizes.items()) if f.endswith(".safetensors") and "/" not in f}
     return files or None
@@ -88,14 +88,14 @@ def read_header(store: Store, uri: str, file_size: int) -> dict[str, StoredTenso
     """The tensors of one safetensors file, from its header alone (two small ranged reads)."""
     (length,) = struct.unpack("<Q", store.read_range(uri, 0, 8))
     if length > file_size - 8:
-        raise WeightsError(f"{uri}: not a safetensors file (header length {length} past the end)")
+        raise ModelError(f"{uri}: not a safetensors file (header length {length} past the end)")
     header = json.loads(store.read_range(uri, 8, length))
     tensors = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
         if info["dtype"] not in DTYPES:
-            raise WeightsError(f"{uri}: tensor {name} has dtype {info['dtype']}, which eft cannot load")
+            raise ModelError(f"{uri}: tensor {name} has dtype {info['dtype']}, which eft cannot load")
         begin, _ = info["data_offsets"]
         tensors[name] = StoredTensor(uri, DTYPES[info["dtype"]], tuple(info["shape"]), 8 + length + begin)
     return tensors
@@ -129,7 +129,7 @@ def init_adapter(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
         generator = torch.Generator().manual_seed(name_seed(seed, name))
         nn.init.kaiming_uniform_(weight, a=math.sqrt(5), generator=generator)
     elif ".lora_B." not in name:
-        raise WeightsError(f"{name}: an adapter parameter eft has no init for (only lora_A / lora_B)")
+        raise ModelError(f"{name}: an adapter parameter eft has no init for (only lora_A / lora_B)")
     return weight
 
 
@@ -156,7 +156,7 @@ def local_slice(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tup
     shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
     local = param.to_local()
     if tuple(local.shape) != tuple(shape):
-        raise WeightsError(f"local shard {tuple(local.shape)} is not the placement's {tuple(shape)}")
+        raise ModelError(f"local shard {tuple(local.shape)} is not the placement's {tuple(shape)}")
     return local, tuple(shape), tuple(offset)
 
 
@@ -192,9 +192,9 @@ def load_owned_weights(model: nn.Module, store: Store, uri: str, files: dict[str
             continue
         stored = index.get(checkpoint_name(name)) or index.get(tied.get(checkpoint_name(name), ""))
         if stored is None:
-            raise WeightsError(f"{uri}: no tensor {checkpoint_name(name)} in its safetensors files")
+            raise ModelError(f"{uri}: no tensor {checkpoint_name(name)} in its safetensors files")
         if stored.shape != tuple(param.shape):
-            raise WeightsError(f"{uri}: tensor {checkpoint_name(name)} has shape {list(stored.shape)}, "
+            raise ModelError(f"{uri}: tensor {checkpoint_name(name)} has shape {list(stored.shape)}, "
                                f"the model wants {list(param.shape)}")
         jobs.append((local, shape, offset, stored))
 
@@ -203,10 +203,19 @@ def load_owned_weights(model: nn.Module, store: Store, uri: str, files: dict[str
         start, count = (offset[0], shape[0]) if shape else (0, 1)
         return stored.read_rows(store, start, count)
 
+    def place(job, rows):
+        local, shape, offset, _ = job
+        # Cast as from_pretrained does (e.g. stored bf16 → fp32 masters on CPU).
+        local.copy_(narrow_to(rows.result(), shape, offset, first_dim=1).to(dtype=local.dtype))
+
     with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="eft-weights") as pool:
-        for (local, shape, offset, _), rows in zip(jobs, pool.map(fetch, jobs)):
-            # Cast as from_pretrained does (e.g. stored bf16 → fp32 masters on CPU).
-            local.copy_(narrow_to(rows, shape, offset, first_dim=1).to(dtype=local.dtype))
+        pending: deque = deque()
+        for job in jobs:
+            pending.append((job, pool.submit(fetch, job)))
+            if len(pending) > READ_AHEAD:
+                place(*pending.popleft())
+        while pending:
+            place(*pending.popleft())
 
 
 def load_mode(parallelism: str, safetensors: Optional[dict[str, int]]) -> str:
