@@ -428,7 +428,6 @@ class Store:
             os.replace(staging, final)
         return final
 
-
     @staticmethod
     def _download_files(fs: pafs.FileSystem, root: str, paths: list[str], local_dir: Path) -> None:
         local = pafs.LocalFileSystem()
