@@ -141,3 +141,37 @@ def test_a_tied_head_reads_the_embedding_it_is_tied_to(tmp_path):
     assert set(got) == set(reference)
     for name, want in reference.items():
         assert torch.equal(got[name], want), name
+
+
+def test_a_model_without_safetensors_falls_back_to_the_rank0_broadcast(tmp_path):
+    """.bin weights cannot be read a slice at a time: rank 0 loads them whole and broadcasts them
+    into the FSDP2 shards (one process here), with the same LoRA init as every other path."""
+    import os
+
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from app.config import build_config
+    from app.dev.local import find_free_port
+    from app.train.model import build_model, load_pretrained
+    from app.train.weights import load_mode
+
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4)
+    config.save_pretrained(tmp_path)
+    torch.save(LlamaForCausalLM(config).state_dict(), tmp_path / "pytorch_model.bin")
+    assert list_safetensors(Store(), str(tmp_path)) is None and load_mode("fsdp", None) == "rank0_broadcast"
+    cfg = build_config({"name": "bin", "model": {"uri": str(tmp_path)}, "lora": {"r": 4},
+                        "data": {"uri": str(tmp_path / "data"), "seq_len": 64},
+                        "training": {"max_steps": 1, "parallelism": "fsdp", "seed": 5},
+                        "storage": {"root_uri": str(tmp_path / "runs")}})
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        model = build_model(cfg, Store(), torch.device("cpu"), 0, 1)
+        got = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    finally:
+        dist.destroy_process_group()
+    reference = load_pretrained(tmp_path, torch.float32, cfg.lora, seed=5).state_dict()
+    assert set(got) == set(reference)
+    assert max(float((got[k] - reference[k]).abs().max()) for k in reference) == 0.0
