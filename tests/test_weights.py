@@ -1,7 +1,7 @@
 """Weight loading that scales with the cluster: the safetensors ranged reader against
-safetensors' own loader on a real S3 endpoint; the LoRA init as a function of (seed, name); and
-on a real 2-node Ray cluster, each node reads about half the weights and the loaded model equals
-from_pretrained."""
+safetensors' own loader on a real S3 endpoint; the LoRA init as a function of (seed, name); a tied
+head; the rank-0 fallback for .bin weights; and on a real 2-node Ray cluster, each node reads about
+half the weights and the loaded model equals from_pretrained."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def save_checkpoint(tmp_path: Path, uri: str) -> dict[str, torch.Tensor]:
-    """A sharded bf16 checkpoint (index + 2 files, written by transformers) plus odd tensors
+    """A sharded bf16 checkpoint (index + shards, written by transformers) plus odd tensors
     (fp32, int64, 0-d) in a third file the index also names, uploaded to `uri`."""
     from safetensors.torch import load_file, save_file
 
