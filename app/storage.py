@@ -22,6 +22,7 @@ import os
 import shutil
 import stat
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -122,6 +123,21 @@ class Store:
     def __init__(self, endpoint: Optional[str] = None, region: str = "us-east-1"):
         self.endpoint = endpoint
         self.region = region
+        # Bytes this Store has fetched (read_bytes, read_range, cache_locally downloads): what
+        # loading a model read is measured on a Store of its own.
+        self.bytes_read = 0
+        self._count_lock = threading.Lock()
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_count_lock"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._count_lock = threading.Lock()
+
+    def _count(self, n: int) -> None:
+        with self._count_lock:
+            self.bytes_read += n
 
     @classmethod
     def from_config(cls, storage_cfg) -> "Store":
@@ -171,7 +187,9 @@ class Store:
         for attempt in range(attempts):
             try:
                 with fs.open_input_stream(path) as f:
-                    return f.read()
+                    data = f.read()
+                self._count(len(data))
+                return data
             except FileNotFoundError:
                 raise StorageError(f"{uri}: not found") from None
             except OSError:
@@ -181,6 +199,27 @@ class Store:
                 if attempt == attempts - 1:
                     raise
                 time.sleep(0.2 * 2 ** attempt)
+
+    def read_range(self, uri: str, offset: int, length: int) -> bytes:
+        """`length` bytes of one object from `offset`: one ranged GET on S3."""
+        fs, path = self.resolve(uri)
+        attempts = READ_ATTEMPTS if is_s3(uri) else 1
+        for attempt in range(attempts):
+            try:
+                with fs.open_input_file(path) as f:
+                    data = f.read_at(length, offset)
+                break
+            except FileNotFoundError:
+                raise StorageError(f"{uri}: not found") from None
+            except OSError:
+                # As in read_bytes: a throttled short GET can fail in a way the SDK does not retry.
+                if attempt == attempts - 1:
+                    raise
+                time.sleep(0.2 * 2 ** attempt)
+        self._count(len(data))
+        if len(data) != length:
+            raise StorageError(f"{uri}: {len(data)} bytes at offset {offset}, expected {length} (object truncated?)")
+        return data
 
     def write_bytes(self, uri: str, data: bytes) -> None:
         """One object, all or nothing: S3 PUT is atomic; locally we write a temp file and rename."""
@@ -351,8 +390,11 @@ class Store:
         pafs.copy_files(path, str(local_dir), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem(),
                         use_threads=True)
 
-    def cache_locally(self, uri: str, cache_root: Optional[str | Path] = None) -> Path:
-        """A local copy of a remote tree, downloaded once per node (file lock + atomic rename)."""
+    def cache_locally(self, uri: str, cache_root: Optional[str | Path] = None,
+                      skip_suffixes: tuple[str, ...] = ()) -> Path:
+        """A local copy of a remote tree, downloaded once per node (file lock + atomic rename).
+        Files whose names end in one of `skip_suffixes` are left out (a model's weights, when each
+        rank reads its own slices of them from storage)."""
         if not is_s3(uri):
             _, path = self.resolve(uri)
             return Path(path)
@@ -367,6 +409,7 @@ class Store:
         listing = sorted((i.path, i.size, i.mtime_ns) for i in infos if i.type == pafs.FileType.File)
         if not listing:
             raise StorageError(f"{uri}: not found")
+        listing = [entry for entry in listing if not entry[0].endswith(skip_suffixes)] if skip_suffixes else listing
         key = hashlib.sha256(f"{s3_endpoint(self.endpoint)}|{uri}|{listing}".encode()).hexdigest()[:24]
         final = root / key
         with open(root / f"{key}.lock", "w") as lock:
@@ -374,12 +417,24 @@ class Store:
             if (final / ".complete").exists():
                 return final
             staging = root / f"{key}.partial-{uuid.uuid4().hex[:8]}"
-            self.download_dir(uri, staging)
+            if skip_suffixes:
+                self._download_files(fs, path, [entry[0] for entry in listing], staging)
+            else:
+                self.download_dir(uri, staging)
+            self._count(sum(entry[1] for entry in listing))
             (staging / ".complete").write_text(uri)
             if final.exists():
                 shutil.rmtree(final)
             os.replace(staging, final)
         return final
+
+    @staticmethod
+    def _download_files(fs: pafs.FileSystem, root: str, paths: list[str], local_dir: Path) -> None:
+        local = pafs.LocalFileSystem()
+        for src in paths:
+            dest = local_dir / src[len(root):].lstrip("/")
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            pafs.copy_files(src, str(dest), source_filesystem=fs, destination_filesystem=local)
 
 
 def default_cache_root() -> Path:

@@ -90,12 +90,13 @@ def worker(rank: int, world: int, model_dir: str, port: int, out: str, args) -> 
     import torch.distributed as dist
 
     from app.dev.collectives import count_collectives
+    from app.storage import Store
     from app.train.model import build_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(args.threads)
-    models = {v: build_model(build_cfg(Path(model_dir), v, args), Path(model_dir), torch.device("cpu"), rank, world)
+    models = {v: build_model(build_cfg(Path(model_dir), v, args), Store(), torch.device("cpu"), rank, world)
               for v in VARIANTS}
     steps = {v: make_step(m, rank, world, args) for v, m in models.items()}
     result = {v: describe(m) for v, m in models.items()}

@@ -84,7 +84,7 @@ def build_case_config(model_dir: Path, lora: bool, ac: bool, parallelism: str, w
     })
 
 
-def worker(rank: int, world: int, port: int, cfg_json: str, model_dir: str, out: str) -> None:
+def worker(rank: int, world: int, port: int, cfg_json: str, out: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -95,7 +95,7 @@ def worker(rank: int, world: int, port: int, cfg_json: str, model_dir: str, out:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        result = measure_training_peak(JobConfig.model_validate_json(cfg_json), Path(model_dir), rank, world)
+        result = measure_training_peak(JobConfig.model_validate_json(cfg_json), rank, world)
         Path(f"{out}.{rank}").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
@@ -107,13 +107,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(cfg, model_dir: Path, world: int) -> int:
+def measure(cfg, world: int) -> int:
     """The largest rank's peak bytes, each rank in a fresh process."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "peak")
-        mp.spawn(worker, args=(world, free_port(), cfg.model_dump_json(), str(model_dir), out), nprocs=world)
+        mp.spawn(worker, args=(world, free_port(), cfg.model_dump_json(), out), nprocs=world)
         return max(json.loads(Path(f"{out}.{r}").read_text())["peak_bytes"] for r in range(world))
 
 
@@ -140,7 +140,7 @@ def main() -> None:
                     continue
                 cfg = build_case_config(model_dir, lora, ac, parallelism, world, loss=loss)
                 estimate = predict(cfg, model_dir, world)
-                measured = measure(cfg, model_dir, world)
+                measured = measure(cfg, world)
                 error = estimate.total_bytes / measured - 1
                 case = {"hidden": size[0], "layers": size[1], "heads": size[2], "intermediate": size[3],
                         "vocab": VOCAB, "seq_len": SEQ_LEN, "variant": name, "loss": loss, "parallelism": parallelism,

@@ -201,7 +201,7 @@ def test_prediction_matches_a_measured_peak_within_20_percent(tmp_path):
     predicted = estimate_memory(cfg, json.loads((model_dir / "config.json").read_text()), 1, "fsdp").total_bytes
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
-        measured = measure_training_peak(cfg, model_dir, rank=0, world=1)["peak_bytes"]
+        measured = measure_training_peak(cfg, rank=0, world=1)["peak_bytes"]
     finally:
         dist.destroy_process_group()
     assert abs(predicted / measured - 1) <= 0.20, (predicted, measured)

@@ -57,13 +57,14 @@ def run_variant(cfg, model_dir: Path, rank: int, world: int) -> dict:
 
     from app.dev.collectives import count_collectives
     from app.train.loop import all_reduce_sum, grad_sync_context, loss_sum
+    from app.storage import Store
     from app.train.model import build_model, resolve_precision, trainable_parameters
     from app.train.sharding import (all_reduce_gradients, forward_autocast_dtype, is_compiled,
                                     replicated_parameters)
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    model = build_model(cfg, model_dir, torch.device("cpu"), rank, world)
+    model = build_model(cfg, Store(), torch.device("cpu"), rank, world)
     params, replicated = trainable_parameters(model), replicated_parameters(model)
     autocast = forward_autocast_dtype(model, resolve_precision(cfg, torch.device("cpu")).param_dtype)
     optimizer = torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.95))

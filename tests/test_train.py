@@ -255,8 +255,7 @@ def _gather_restored_state(config: dict) -> None:
     cfg = JobConfig.model_validate(config["cfg"])
     ctx = ray.train.get_context()
     store = Store()
-    model = build_model(cfg, store.cache_locally(cfg.model.uri), ray.train.torch.get_device(),
-                        ctx.get_world_rank(), ctx.get_world_size())
+    model = build_model(cfg, store, ray.train.torch.get_device(), ctx.get_world_rank(), ctx.get_world_size())
     optimizer = torch.optim.AdamW(trainable_parameters(model), lr=cfg.training.lr)
     fs, path = store.resolve(config["checkpoint_uri"])
     state = ckpt.restore(ray.train.Checkpoint(path, filesystem=fs), model, optimizer, lora=True)
@@ -468,8 +467,10 @@ def test_events_record_each_worker_group(straight_run):
     cfg, _, _ = straight_run
     events = load_events(Store(), cfg.run_uri)
     store = Store()
-    assert [e["kind"] for e in events] == ["driver_start", "worker_group_start"]
-    driver, group = events
+    assert [e["kind"] for e in events] == ["driver_start", "weights_loaded", "worker_group_start"]
+    driver, loaded, group = events
+    # Each FSDP2 rank read only its slices of the base's weights, from storage.
+    assert loaded["mode"] == "ranged" and [r["rank"] for r in loaded["ranks"]] == [0, 1]
     # One object per event, named by its id; the id leads with the event's UTC time.
     assert store.list_files(join(cfg.run_uri, "events")) == sorted(f"{e['id']}.json" for e in events)
     for event in events:
@@ -495,17 +496,22 @@ def _compare_sharded_load(config: dict) -> None:
     from app.config import JobConfig
     from app.storage import Store
     from app.train.model import build_model, load_pretrained
+    from app.train.weights import record_weights_loaded
 
     cfg = JobConfig.model_validate(config["cfg"])
     ctx = ray.train.get_context()
-    local_dir = Store().cache_locally(cfg.model.uri)
-    model = build_model(cfg, local_dir, ray.train.torch.get_device(), ctx.get_world_rank(), ctx.get_world_size())
+    model_store = Store()
+    model = build_model(cfg, model_store, ray.train.torch.get_device(), ctx.get_world_rank(), ctx.get_world_size())
+    record_weights_loaded(Store(), cfg, ctx.get_world_rank(), model_store.bytes_read, 0.0)
     gathered = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     metrics = {"keys": len(gathered)}
     if ctx.get_world_rank() == 0:
+        local_dir = Store().cache_locally(cfg.model.uri)
         reference = load_pretrained(local_dir, torch.float32, cfg.lora, cfg.training.seed).state_dict()
         assert set(gathered) == set(reference), set(gathered) ^ set(reference)
         metrics["max_abs_diff"] = max(float((gathered[k] - reference[k]).abs().max()) for k in reference)
+        # The adapters' init is drawn, not loaded: A random (the same as the reference's), B zero.
+        metrics["lora_a_std"] = min(float(v.std()) for k, v in gathered.items() if ".lora_A." in k)
         # Rotary frequencies are non-persistent buffers: they must survive the meta-device build.
         rotary = [b for n, b in model.named_buffers() if n.endswith("inv_freq")]
         ref_rotary = [b for n, b in load_pretrained(local_dir, torch.float32).named_buffers() if n.endswith("inv_freq")]
@@ -516,7 +522,8 @@ def _compare_sharded_load(config: dict) -> None:
 
 @pytest.mark.parametrize("parallelism", ["fsdp", "ddp"])
 def test_sharded_load_equals_from_pretrained(dataset, parallelism):
-    """Meta-device build + rank-0 broadcast into shards == a plain from_pretrained (+ same LoRA init)."""
+    """Meta-device build + each rank's own reads (FSDP2: its slices from S3; DDP: the node's one
+    download) == a plain from_pretrained (+ the same deterministic LoRA init)."""
     from ray import cloudpickle
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -533,6 +540,19 @@ def test_sharded_load_equals_from_pretrained(dataset, parallelism):
     assert check["keys"] > 20
     assert check["max_abs_diff"] == 0.0
     assert check["rotary_diff"] == 0.0
+    assert check["lora_a_std"] > 0.01
+    (loaded,) = [e for e in load_events(Store(), cfg.run_uri) if e["kind"] == "weights_loaded"]
+    model_dir_bytes = sum(Store().list_file_sizes(BASE).values())
+    if parallelism == "fsdp":
+        # Disjoint slices: the two ranks together read each weight byte once (+ headers, small files).
+        assert loaded["mode"] == "ranged"
+        small_files = model_dir_bytes - loaded["weights_bytes"]
+        assert 0.5 * loaded["weights_bytes"] < sum(loaded["bytes_per_node"].values()) <= \
+            1.1 * loaded["weights_bytes"] + small_files
+    else:
+        # Every DDP rank needs all of it: at most one download for the node, never one per rank.
+        assert loaded["mode"] == "node_cache"
+        assert sum(loaded["bytes_per_node"].values()) <= model_dir_bytes
 
 
 def test_driver_loss_resumes_with_the_data_position(straight_run, tmp_path):

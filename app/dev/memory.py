@@ -85,12 +85,13 @@ class PeakTracker(TorchDispatchMode):
         return out
 
 
-def measure_training_peak(cfg, local_dir, rank: int, world: int, steps: int = 2) -> dict:
-    """Build the model as a worker does (app.train.model.build_model: FSDP2 or DDP, precision,
-    activation checkpointing) inside a tracker, then run `steps` optimizer steps of the loop's
-    own forward/backward (app.train.loss.loss_sum, after apply_loss as the loop calls it) on random tokens. Returns the peak of the
-    steps (the build's own transient copies are not part of training) and the bytes held
+def measure_training_peak(cfg, rank: int, world: int, steps: int = 2) -> dict:
+    """Build the model from cfg.model.uri as a worker does (app.train.model.build_model: FSDP2 or
+    DDP, precision, activation checkpointing) inside a tracker, then run `steps` optimizer steps of
+    the loop's own forward/backward (app.train.loss.loss_sum after apply_loss, the adapters'
+    gradient reduction) on random tokens. Returns the peak of the steps (the build's own transient copies are not part of training) and the bytes held
     before them. Needs torch.distributed initialized (gloo)."""
+    from app.storage import Store
     from app.train.loop import grad_sync_context
     from app.train.loss import apply_loss, loss_sum
     from app.train.model import build_model, resolve_precision, trainable_parameters
@@ -101,7 +102,7 @@ def measure_training_peak(cfg, local_dir, rank: int, world: int, steps: int = 2)
     accum = t.global_batch_size // (world * t.micro_batch_size)
     generator = torch.Generator().manual_seed(rank)
     with PeakTracker() as tracker:
-        model = build_model(cfg, local_dir, device, rank, world)
+        model = build_model(cfg, Store(), device, rank, world)
         apply_loss(model, t.loss, t.loss_chunk_tokens)
         for p in model.parameters():
             tracker.track(p)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import time
 from typing import Optional
 
 import numpy as np
@@ -33,6 +34,7 @@ from app.train.resume import build_lineage
 from app.train.sinks import MlflowSink, TensorBoardSink, flatten
 from app.train.model import build_model, count_parameters, resolve_precision, trainable_parameters
 from app.train.sharding import all_reduce_gradients, forward_autocast_dtype, replicated_parameters
+from app.train.weights import record_weights_loaded
 
 log = logging.getLogger("eft.train")
 
@@ -159,8 +161,10 @@ def train_loop_per_worker(config: dict) -> None:
     batches = prefetch_in_background(iter_step_batches(rows, my_slice.rows_per_step, t.micro_batch_size, accum),
                                      depth=2)
 
-    local_dir = store.cache_locally(cfg.model.uri)
-    model = build_model(cfg, local_dir, device, rank, world)
+    # A Store of its own, so its byte count is what loading the model read from storage.
+    model_store, load_started = Store.from_config(cfg.storage), time.monotonic()
+    model = build_model(cfg, model_store, device, rank, world)
+    record_weights_loaded(store, cfg, rank, model_store.bytes_read, time.monotonic() - load_started)
     apply_loss(model, t.loss, t.loss_chunk_tokens)  # train and evaluate both go through loss_sum
     precision = resolve_precision(cfg, device)
     autocast_dtype = forward_autocast_dtype(model, precision.param_dtype)

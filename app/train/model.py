@@ -1,9 +1,10 @@
 """Model building: load base + tokenizer, apply LoRA, apply FSDP2 / DDP, precision.
 
-Loading scales: every rank builds the model on the meta device; only rank 0 reads the
-weights (from the node-local cache of the model URI) and broadcasts them while they are
-placed into each rank's shards (`set_model_state_dict(..., broadcast_from_rank0=True)`).
-So one copy of the base lives in host memory per node, never one per rank.
+Loading scales: every rank builds the model on the meta device, then fills what it owns
+(app/train/weights.py): under FSDP2 each rank reads its own slices of the safetensors files
+straight from the model URI; under DDP each node downloads the model once to its node-local
+cache and its ranks read it there. Only a model without safetensors files falls back to rank 0
+reading it whole and broadcasting it into the shards.
 """
 
 from __future__ import annotations
@@ -63,15 +64,18 @@ def check_model_dir(local_dir: Path, uri: str) -> None:
 
 
 def load_pretrained(local_dir: Path, dtype: torch.dtype, lora_cfg=None, seed: int = 0) -> nn.Module:
-    """The plain, fully materialized path: rank 0's source of truth and the tests' reference."""
+    """The plain, fully materialized path: the tests' reference, export's base, and rank 0's
+    source when a model has no safetensors files."""
     from transformers import AutoModelForCausalLM
+
+    from app.train.weights import init_adapters
 
     model = AutoModelForCausalLM.from_pretrained(local_dir, dtype=dtype)
     if lora_cfg is not None:
         from peft import get_peft_model
 
-        torch.manual_seed(seed)  # adapter init is drawn here, once, on rank 0
         model = get_peft_model(model, build_peft_config(lora_cfg))
+        init_adapters(model, seed)  # the same values the sharded load draws on each rank
     return model
 
 
@@ -123,7 +127,8 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
 
 def load_weights_from_rank0(model: nn.Module, source: Optional[nn.Module], buffers: dict,
                             device: torch.device, quantized: Optional[dict] = None) -> None:
-    """Materialize `model` on `device` and fill it from rank 0's `source` (None elsewhere).
+    """Materialize `model` on `device` and fill it from rank 0's `source` (None elsewhere): the
+    path for weights in .bin files, which cannot be read a slice at a time, and for QLoRA.
     `quantized` names the NF4 weights (see app.train.quantize), which are quantized whole."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -140,28 +145,46 @@ def load_weights_from_rank0(model: nn.Module, source: Optional[nn.Module], buffe
                                                                strict=not quantized))
 
 
-def build_model(cfg, local_dir: Path, device: torch.device, rank: int, world_size: int) -> nn.Module:
-    """Base (+ LoRA) → precision → activation checkpointing → compile → FSDP2 or DDP, weights loaded."""
+def build_model(cfg, store, device: torch.device, rank: int, world_size: int) -> nn.Module:
+    """Base (+ LoRA) → precision → activation checkpointing → NF4 → compile → FSDP2 or DDP,
+    weights loaded."""
+    from app.storage import Store
+    from app.train.weights import WEIGHT_SUFFIXES, list_safetensors, load_mode, load_owned_weights
+
     precision = resolve_precision(cfg, device)
+    uri, fsdp = cfg.model.uri, cfg.training.parallelism == "fsdp"
+    files = list_safetensors(store, uri)
+    # QLoRA quantizes each weight whole on every rank (a rank's own rows alone would centre the
+    # codes on the wrong mean), so its weights come whole, broadcast from rank 0.
+    nf4 = cfg.lora is not None and cfg.lora.quantize_base is not None
+    mode = "rank0_broadcast" if nf4 else load_mode(cfg.training.parallelism, files)
+    # Ranged: only the small files (config, tokenizer) come to the node; the weights stay remote.
+    local_dir = store.cache_locally(uri, skip_suffixes=WEIGHT_SUFFIXES if mode == "ranged" else ())
     model, buffers = build_meta_model(local_dir, precision.storage_dtype, cfg.lora)
     if cfg.training.activation_checkpointing:
         apply_activation_checkpointing(model)
-    fsdp = cfg.training.parallelism == "fsdp"
     quantized = apply_quantization(model, cfg.lora, shards=world_size if fsdp else 1, note=rank == 0)
     if cfg.training.compile:
         apply_compile(decoder_blocks(model))
-    source = load_pretrained(local_dir, precision.storage_dtype, cfg.lora, cfg.training.seed) if rank == 0 else None
     if fsdp:
         apply_fsdp(model, precision, replicate=adapters_to_replicate(cfg, model))
-        load_weights_from_rank0(model, source, buffers, device, quantized)
+    if mode == "ranged":
+        load_owned_weights(model, store, uri, files, buffers, device, cfg.training.seed)
+    elif mode == "node_cache":
+        local = Store()  # reads of the node's own copy: not storage traffic
+        load_owned_weights(model, local, str(local_dir), list_safetensors(local, str(local_dir)), buffers, device,
+                           cfg.training.seed)
     else:
+        check_model_dir(local_dir, uri)
+        source = load_pretrained(local_dir, precision.storage_dtype, cfg.lora, cfg.training.seed) if rank == 0 else None
         load_weights_from_rank0(model, source, buffers, device, quantized)
+        del source
+    if not fsdp:
         from torch.nn.parallel import DistributedDataParallel
 
         # Every rank quantized the same broadcast weights: DDP need not broadcast the NF4 ones again.
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, list(quantized))
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    del source
     return model
 
 
