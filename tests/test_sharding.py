@@ -149,8 +149,13 @@ def assert_same_run(got: dict, want: dict, rtol: float = 1e-5, atol: float = 1e-
     assert got["losses"] == pytest.approx(want["losses"], rel=rtol)
     for kind in ("grads", "params"):
         assert set(got[kind]) == set(want[kind]) and got[kind], kind
+        # AdamW steps sharded DTensors and plain tensors by different kernels (per tensor vs
+        # foreach): the last bits differ, and m / sqrt(v) at lr 1e-2 grows them to ~1e-5 relative
+        # in 3 steps. A wrong gradient (a missing average) moves weights by lr itself: 1e-2.
+        scale = 10 if kind == "params" else 1
         for name, value in want[kind].items():
-            torch.testing.assert_close(got[kind][name], value, rtol=rtol, atol=atol, msg=f"{kind} {name}")
+            torch.testing.assert_close(got[kind][name], value, rtol=rtol * scale, atol=atol * scale,
+                                       msg=f"{kind} {name}")
 
 
 def test_replicated_adapters_follow_the_sharded_trajectory(results):
