@@ -16,8 +16,8 @@ rotary attention, gated MLP) as transformers implements it. Components, per work
   from the block's ops; with activation checkpointing, each block's input, plus one block's
   worth while backward recomputes it (after the loss phase, so the two do not add up);
 * the loss phase: `full` holds three fp32 [tokens, vocab] buffers at once in its backward (the
-  logits' fp32 copy or log-softmax, its gradient, and the gradient being formed); `chunked` two
-  fp32 [loss_chunk_tokens, vocab] buffers; `liger` its own chunk;
+  logits' fp32 copy or log-softmax, its gradient, and the gradient being formed); `chunked` one
+  fp32 [loss_chunk_tokens, vocab] buffer (plus the bf16 logits on GPU); `liger` its own chunk;
 * buffers (rotary tables) and, on GPU, a fixed CUDA context and communicator overhead.
 
 The peak is when they coexist: at the start of backward (activations + loss phase) or at the
@@ -316,9 +316,11 @@ def loss_bytes(cfg: JobConfig, m: ModelLayout, tokens: int, mm: int, storage: in
         return 12 * tokens * vocab + head_grad
     if t.loss == "chunked":
         chunk = min(t.loss_chunk_tokens, tokens)
-        # One chunk's fp32 logits (reused in place for their gradient) and logsumexp's temporary;
-        # the hidden states' gradient is formed during forward and held until backward.
-        return 8 * chunk * vocab + tokens * m.hidden * mm + head_grad
+        # One chunk's fp32 logits, reused in place for log-sum-exp and their gradient, plus the
+        # logits in the compute dtype when it is narrower (bf16 matmul, then upcast); the hidden
+        # states' gradient is formed during forward and held until backward.
+        per_element = 4 + (mm if mm < 4 else 0)
+        return per_element * chunk * vocab + tokens * m.hidden * mm + head_grad
     # liger: chunks of about tokens / (vocab / hidden) rows, rounded up to a power of two.
     chunk = min(tokens, 2 ** math.ceil(math.log2(max(math.ceil(tokens / math.ceil(vocab / m.hidden)), 1))))
     return (mm + 4) * chunk * vocab + tokens * m.hidden * mm + head_grad
