@@ -101,7 +101,7 @@ class SliceCache:
             if len(data) == length:
                 self.store.count_cached(length)
                 return data
-        except FileNotFoundError:
+        except OSError:  # absent, or a disk that fails: storage has the bytes
             pass
         data = self.store.read_range(uri, offset, length)
         self.save(path, data)
@@ -134,7 +134,11 @@ def open_slice_cache(store: Store, uri: str, cache_root: Optional[Path] = None) 
     model_dir = root / "slices" / hashlib.sha256(f"{s3_endpoint(store.endpoint)}|{uri}".encode()).hexdigest()[:24]
     key = store.version_key(uri, store.list_versions(uri))
     directory = model_dir / key
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        log.warning("cannot keep weight slices in %s (%s); reading them from storage", directory, err)
+        return store
     for stale in model_dir.iterdir():
         if stale.name != key:
             shutil.rmtree(stale, ignore_errors=True)
