@@ -124,8 +124,10 @@ class Store:
         self.endpoint = endpoint
         self.region = region
         # Bytes this Store has fetched (read_bytes, read_range, cache_locally downloads): what
-        # loading a model read is measured on a Store of its own.
+        # loading a model read is measured on a Store of its own. Bytes a node-local cache served
+        # instead are no storage traffic: they are counted apart, in bytes_cached.
         self.bytes_read = 0
+        self.bytes_cached = 0
         self._count_lock = threading.Lock()
 
     def __getstate__(self) -> dict:
@@ -138,6 +140,10 @@ class Store:
     def _count(self, n: int) -> None:
         with self._count_lock:
             self.bytes_read += n
+
+    def count_cached(self, n: int) -> None:
+        with self._count_lock:
+            self.bytes_cached += n
 
     @classmethod
     def from_config(cls, storage_cfg) -> "Store":
@@ -390,6 +396,19 @@ class Store:
         pafs.copy_files(path, str(local_dir), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem(),
                         use_threads=True)
 
+    def list_versions(self, uri: str) -> list[tuple[str, int, int]]:
+        """Sorted (path, size, mtime_ns) of the files under a prefix (empty if absent): what a
+        node-local copy of them is keyed on."""
+        fs, path = self.resolve(uri)
+        infos = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
+        return sorted((i.path, i.size, i.mtime_ns) for i in infos if i.type == pafs.FileType.File)
+
+    def version_key(self, uri: str, listing: list[tuple[str, int, int]]) -> str:
+        """A local cache's name for the files at `uri` as `listing` saw them. Keyed on the listing
+        (names, sizes, mtimes) as well as endpoint and URI: new weights at the same URI are
+        fetched anew, never served from a stale copy."""
+        return hashlib.sha256(f"{s3_endpoint(self.endpoint)}|{uri}|{listing}".encode()).hexdigest()[:24]
+
     def cache_locally(self, uri: str, cache_root: Optional[str | Path] = None,
                       skip_suffixes: tuple[str, ...] = ()) -> Path:
         """A local copy of a remote tree, downloaded once per node (file lock + atomic rename).
@@ -403,18 +422,17 @@ class Store:
         else:
             root = Path(cache_root)
             root.mkdir(parents=True, exist_ok=True)
-        # Keyed on the listing too (names, sizes, mtimes): new weights at the same URI are fetched anew.
         fs, path = self.resolve(uri)
-        infos = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
-        listing = sorted((i.path, i.size, i.mtime_ns) for i in infos if i.type == pafs.FileType.File)
+        listing = self.list_versions(uri)
         if not listing:
             raise StorageError(f"{uri}: not found")
         listing = [entry for entry in listing if not entry[0].endswith(skip_suffixes)] if skip_suffixes else listing
-        key = hashlib.sha256(f"{s3_endpoint(self.endpoint)}|{uri}|{listing}".encode()).hexdigest()[:24]
+        key = self.version_key(uri, listing)
         final = root / key
         with open(root / f"{key}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if (final / ".complete").exists():
+                self.count_cached(sum(entry[1] for entry in listing))
                 return final
             staging = root / f"{key}.partial-{uuid.uuid4().hex[:8]}"
             if skip_suffixes:

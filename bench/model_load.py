@@ -5,10 +5,12 @@ of its first optimizer step.
 
 - before: each node downloads the whole model to its cache, rank 0 loads it whole and broadcasts
   it into the shards (today the fallback for models without safetensors files).
-- after: each rank reads only its own slices of the safetensors files from S3.
+- after: each rank reads only its own slices of the safetensors files from S3, and keeps them in
+  the node's slice cache (app/train/weights.py SliceCache).
 
 Three starts of each: a cold start, a restart on a replacement node (empty node cache, as after
-a spot reclaim) and a restart on a node that survived (the node cache as the previous start left it).
+a spot reclaim) and a restart on a node that survived (the node cache as the previous start left it:
+`before` finds its full copy there, `after` the slices its ranks read, at the same world size).
 
     .venv/bin/python bench/model_load.py [--hidden 1024] [--layers 8]
 """
@@ -79,11 +81,11 @@ def start_worker(config: dict) -> None:
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
     done = time.monotonic()
-    read = torch.tensor([store.bytes_read], dtype=torch.float64)
+    read = torch.tensor([store.bytes_read, store.bytes_cached], dtype=torch.float64)
     torch.distributed.all_reduce(read)
     if rank == 0:  # Ray Train keeps reported metrics only with a checkpoint: the timings go to storage
         store.write_json(config["out"], {"load_s": loaded - started, "first_step_s": done - started,
-                                         "bytes_read": int(read)})
+                                         "bytes_read": int(read[0]), "bytes_cached": int(read[1])})
 
 
 def time_start(cfg, path: str) -> dict:
@@ -149,22 +151,25 @@ def main() -> None:
         ratios[start] = round(before["first_step_s"] / after["first_step_s"], 2)
         for path, r in (("before", before), ("after", after)):
             rows.append([start, path, r["load_s"], r["first_step_s"], r["fit_s"],
-                         round(r["bytes_read"] / 1e6, 1)])
+                         round(r["bytes_read"] / 1e6, 1), round(r["bytes_cached"] / 1e6, 1)])
     table = "\n\n".join([
         f"A random Llama (hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}): "
         f"**{weight_bytes / 1e6:.0f} MB** of bf16 safetensors on the local S3 endpoint (moto), loaded as fp32 "
         "on 2 FSDP2 CPU workers of one Ray node, LoRA r=8. Seconds from the worker function's start; "
         "`fit s` is the driver's whole `TorchTrainer.fit` (worker start-up included).",
         markdown_table(["start", "path", "weights loaded (s)", "first step done (s)", "fit s",
-                        "read from storage, both ranks (MB)"], rows),
+                        "read from storage, both ranks (MB)", "from the node cache (MB)"], rows),
         "Time to first step, before / after: " + ", ".join(f"{k} **{v}x**" for k, v in ratios.items()) + ".",
         "Before, rank 0 reads the whole model (the node's one download, then from_pretrained) and broadcasts "
         "it; after, each rank reads only its half from S3, so a node of N ranks reads 1/(nodes) of the "
         "weights. One node here, so the per-node download saved by a multi-node cluster is not in these "
         "numbers (tests/test_weights.py measures bytes per node on 2 nodes).",
-        "On a node that survived, `before` finds its full copy in the node cache (nothing read from storage) "
-        "and starts faster: ranged loading keeps no local copy of the weights, so every start re-reads its "
-        "slices. A spot reclaim brings a replacement node, whose cache is empty: the row that matters. "
+        "On a node that survived, `before` finds its full copy in the node cache and `after` the slices its "
+        "ranks read last time (same world size, so the same byte ranges): neither reads weights from storage. "
+        "A replacement node's cache is empty: there `after` reads only its slices from storage. "
+        "`from the node cache` counts what each rank took from the node's cache instead of storage: "
+        "`before` hands both ranks the node's full copy (only rank 0 reads it), `after` serves each rank its "
+        "own slices. "
         "The store here is moto (one Python process) on a 2-CPU box shared with other jobs, so the seconds "
         "are slow and noisy; compare the ratios of the same run.",
     ])

@@ -169,9 +169,76 @@ def test_a_model_without_safetensors_falls_back_to_the_rank0_broadcast(tmp_path)
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         model = build_model(cfg, Store(), torch.device("cpu"), 0, 1)
-        got = {k: v.full_tensor() for k, v in model.state_dict().items()}
+        # Adapters may be replicated (plain tensors) under FSDP2: only the sharded ones are gathered.
+        got = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
     finally:
         dist.destroy_process_group()
     reference = load_pretrained(tmp_path, torch.float32, cfg.lora, seed=5).state_dict()
     assert set(got) == set(reference)
     assert max(float((got[k] - reference[k]).abs().max()) for k in reference) == 0.0
+
+
+def load_through_cache(ckpt_dir: Path, uri: str, cache: Path) -> tuple[dict[str, torch.Tensor], Store]:
+    """The model at `uri` loaded the ranged way through the slice cache under `cache`, on a Store of
+    its own: what the load read from storage is its bytes_read."""
+    from app.train.model import build_meta_model
+    from app.train.weights import load_owned_weights
+
+    model, buffers = build_meta_model(ckpt_dir, torch.float32)
+    files = list_safetensors(Store(), uri)
+    store = Store()
+    load_owned_weights(model, store, uri, files, buffers, torch.device("cpu"), seed=0, cache_root=cache)
+    return model.state_dict(), store
+
+
+def test_a_second_load_on_the_node_reads_its_slices_from_the_node_cache(s3, tmp_path):
+    """The second load reads nothing from storage and gives the same tensors; a torn (short) slice
+    file, or a writer's leftover temp file, is never taken for a complete slice: that slice alone
+    is read again. Other ranges (another world size) miss and come from storage."""
+    from app.train.weights import open_slice_cache, read_safetensors_index
+
+    uri, cache = "s3://eft/models/slice-cache", tmp_path / "cache"
+    save_checkpoint(tmp_path / "ckpt", uri)
+    first, cold = load_through_cache(tmp_path / "ckpt", uri, cache)
+    assert cold.bytes_read > 200_000 and cold.bytes_cached == 0
+    second, warm = load_through_cache(tmp_path / "ckpt", uri, cache)
+    assert warm.bytes_read == 0 and warm.bytes_cached == cold.bytes_read
+    assert set(second) == set(first) and all(torch.equal(second[k], first[k]) for k in first)
+
+    slices = sorted((p for p in cache.rglob("*@*") if not p.name.startswith(".")), key=lambda p: p.stat().st_size)
+    torn = slices[-1]
+    length = torn.stat().st_size
+    torn.write_bytes(torn.read_bytes()[: length // 2])
+    (torn.parent / f".{torn.name}.tmp-dead").write_bytes(b"\0" * length)
+    third, again = load_through_cache(tmp_path / "ckpt", uri, cache)
+    assert again.bytes_read == length and again.bytes_cached == cold.bytes_read - length
+    assert all(torch.equal(third[k], first[k]) for k in first)
+    assert torn.stat().st_size == length
+
+    store = Store()
+    reader = open_slice_cache(store, uri, cache)
+    embed = read_safetensors_index(reader, uri, list_safetensors(store, uri))["model.embed_tokens.weight"]
+    before = store.bytes_read
+    assert torch.equal(embed.read_rows(reader, 0, 7), first["model.embed_tokens.weight"][:7].bfloat16())
+    assert store.bytes_read - before == 7 * embed.row_bytes
+
+
+def test_new_weights_at_the_same_uri_are_not_served_from_the_old_slices(s3, tmp_path):
+    """Weights replaced at the same URI (another listing): the next load reads them all from
+    storage, gets the new values, and the old listing's slices are dropped from the node's disk."""
+    from safetensors.torch import load_file, save_file
+
+    uri, cache = "s3://eft/models/slice-cache-replaced", tmp_path / "cache"
+    save_checkpoint(tmp_path / "ckpt", uri)
+    old, cold = load_through_cache(tmp_path / "ckpt", uri, cache)
+    (shard,) = [p for p in (tmp_path / "ckpt").glob("*.safetensors")
+                if "model.embed_tokens.weight" in load_file(p)]
+    tensors = load_file(shard)
+    tensors["model.embed_tokens.weight"] = -tensors["model.embed_tokens.weight"]
+    save_file(tensors, shard, metadata={"format": "pt", "version": "2"})
+    Store().upload_dir(tmp_path / "ckpt", uri)
+    new, store = load_through_cache(tmp_path / "ckpt", uri, cache)
+    assert store.bytes_cached == 0 and abs(store.bytes_read - cold.bytes_read) < 100  # the header grew
+    assert torch.equal(new["model.embed_tokens.weight"], -old["model.embed_tokens.weight"])
+    (model_dir,) = (cache / "slices").iterdir()
+    assert len(list(model_dir.iterdir())) == 1

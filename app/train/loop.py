@@ -164,7 +164,8 @@ def train_loop_per_worker(config: dict) -> None:
     # A Store of its own, so its byte count is what loading the model read from storage.
     model_store, load_started = Store.from_config(cfg.storage), time.monotonic()
     model = build_model(cfg, model_store, device, rank, world)
-    record_weights_loaded(store, cfg, rank, model_store.bytes_read, time.monotonic() - load_started)
+    record_weights_loaded(store, cfg, rank, model_store.bytes_read, time.monotonic() - load_started,
+                          bytes_cached=model_store.bytes_cached)
     apply_loss(model, t.loss, t.loss_chunk_tokens)  # train and evaluate both go through loss_sum
     precision = resolve_precision(cfg, device)
     autocast_dtype = forward_autocast_dtype(model, precision.param_dtype)

@@ -7,6 +7,9 @@ rank fetches its slice of each tensor with one ranged read, and the ranks of a n
 ranges. Nothing downloads a full copy of the weights unless a rank needs all of them (DDP: then once
 per node, into the node-local cache, and its ranks read from there).
 
+A node keeps the ranges its ranks have read (SliceCache): a restart on a node that survived reads
+them from its disk, not from storage, as long as the world size (so the ranges) is the same.
+
 LoRA adapters are in no checkpoint: their init is a function of (seed, parameter name) alone, so
 every rank draws the same full tensor and keeps its slice, at any world size, with no broadcast.
 """
@@ -15,18 +18,26 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
+import os
+import shutil
 import struct
+import uuid
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Optional
+from pathlib import Path
+from typing import Optional, Union
+from urllib.parse import quote
 
 import torch
 import torch.nn as nn
 
-from app.storage import Store, join
+from app.storage import Store, default_cache_root, ensure_private_dir, is_s3, join, s3_endpoint
 from app.train.model import ModelError
+
+log = logging.getLogger("eft.weights")
 
 INDEX = "model.safetensors.index.json"
 # The files a model directory's weights may live in: left out of the node-local copy of the small
@@ -56,7 +67,7 @@ class StoredTensor:
     def row_bytes(self) -> int:
         return math.prod(self.shape[1:]) * self.dtype.itemsize
 
-    def read_rows(self, store: Store, start: int, count: int) -> torch.Tensor:
+    def read_rows(self, store: Union[Store, SliceCache], start: int, count: int) -> torch.Tensor:
         """Rows [start, start + count) of dim 0 (the whole tensor for a 0-d one), as stored."""
         if not self.shape:
             data = store.read_range(self.uri, self.offset, self.dtype.itemsize)
@@ -65,6 +76,73 @@ class StoredTensor:
             return torch.empty((0, *self.shape[1:]), dtype=self.dtype)
         data = store.read_range(self.uri, self.offset + start * self.row_bytes, count * self.row_bytes)
         return torch.frombuffer(bytearray(data), dtype=self.dtype).reshape(count, *self.shape[1:])
+
+
+class SliceCache:
+    """The byte ranges of one model (at one listing) this node has read, one file per
+    (file, offset, length) on local disk. Any local rank that asks for a range read before gets it
+    from here; a range never read (another world size cuts other slices) comes from storage and is
+    kept. A slice file is written whole and renamed into place, so a killed writer leaves no slice
+    that looks complete; one whose size is not its length is read again from storage."""
+
+    def __init__(self, store: Store, model_uri: str, directory: Path):
+        self.store, self.model_uri, self.directory = store, model_uri.rstrip("/"), directory
+        self._write_failed = False
+
+    def path(self, uri: str, offset: int, length: int) -> Path:
+        name = quote(uri[len(self.model_uri):].lstrip("/"), safe="")
+        return self.directory / f"{name}@{offset}+{length}"
+
+    def read_range(self, uri: str, offset: int, length: int) -> bytes:
+        path = self.path(uri, offset, length)
+        try:
+            with open(path, "rb") as f:
+                data = f.read(length + 1)
+            if len(data) == length:
+                self.store.count_cached(length)
+                return data
+        except OSError:  # absent, or a disk that fails: storage has the bytes
+            pass
+        data = self.store.read_range(uri, offset, length)
+        self.save(path, data)
+        return data
+
+    def save(self, path: Path, data: bytes) -> None:
+        tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except OSError as err:
+            # A full or read-only disk costs the next start its cache hits, never this load.
+            tmp.unlink(missing_ok=True)
+            if not self._write_failed:
+                self._write_failed = True
+                log.warning("cannot keep weight slices in %s (%s); reading them from storage", self.directory, err)
+
+
+def open_slice_cache(store: Store, uri: str, cache_root: Optional[Path] = None) -> Union[Store, SliceCache]:
+    """What the ranks read `uri`'s weights through: the node's SliceCache for a remote model (the
+    store itself for a local one, which is on disk already).
+
+    Disk bound: one directory per (endpoint, URI) holds the slices of the model's current listing
+    only; opening it drops those of any other listing (weights replaced at the same URI). Within a
+    listing, each world size seen adds at most one more copy of the weights, cut differently."""
+    if not is_s3(uri):
+        return store
+    root = ensure_private_dir(default_cache_root()) if cache_root is None else Path(cache_root)
+    model_dir = root / "slices" / hashlib.sha256(f"{s3_endpoint(store.endpoint)}|{uri}".encode()).hexdigest()[:24]
+    key = store.version_key(uri, store.list_versions(uri))
+    directory = model_dir / key
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        log.warning("cannot keep weight slices in %s (%s); reading them from storage", directory, err)
+        return store
+    for stale in model_dir.iterdir():
+        if stale.name != key:
+            shutil.rmtree(stale, ignore_errors=True)
+    return SliceCache(store, uri, directory)
 
 
 def list_safetensors(store: Store, uri: str) -> Optional[dict[str, int]]:
@@ -84,7 +162,7 @@ def list_safetensors(store: Store, uri: str) -> Optional[dict[str, int]]:
     return files or None
 
 
-def read_header(store: Store, uri: str, file_size: int) -> dict[str, StoredTensor]:
+def read_header(store: Union[Store, SliceCache], uri: str, file_size: int) -> dict[str, StoredTensor]:
     """The tensors of one safetensors file, from its header alone (two small ranged reads)."""
     (length,) = struct.unpack("<Q", store.read_range(uri, 0, 8))
     if length > file_size - 8:
@@ -101,7 +179,7 @@ def read_header(store: Store, uri: str, file_size: int) -> dict[str, StoredTenso
     return tensors
 
 
-def read_safetensors_index(store: Store, uri: str, files: dict[str, int]) -> dict[str, StoredTensor]:
+def read_safetensors_index(store: Union[Store, SliceCache], uri: str, files: dict[str, int]) -> dict[str, StoredTensor]:
     """Every tensor of the model dir at `uri` (`files` from list_safetensors), by name: where its
     bytes lie."""
     index: dict[str, StoredTensor] = {}
@@ -170,15 +248,17 @@ def narrow_to(tensor: torch.Tensor, shape: tuple[int, ...], offset: tuple[int, .
 
 @torch.no_grad()
 def load_owned_weights(model: nn.Module, store: Store, uri: str, files: dict[str, int], buffers: dict,
-                       device: torch.device, seed: int) -> None:
+                       device: torch.device, seed: int, cache_root: Optional[Path] = None) -> None:
     """Materialize `model` (meta device, FSDP2-sharded or not) on `device`; fill each parameter's
-    local part from the bytes at `uri` this rank owns, adapters from their deterministic init,
-    and buffers from `buffers` (non-persistent ones, such as rotary frequencies, are in no file)."""
+    local part from the bytes at `uri` this rank owns (through the node's SliceCache under
+    `cache_root`), adapters from their deterministic init, and buffers from `buffers`
+    (non-persistent ones, such as rotary frequencies, are in no file)."""
     model.to_empty(device=device)
     for name, buf in model.named_buffers():
         if name in buffers:
             buf.copy_(buffers[name].to(device=device, dtype=buf.dtype))
-    index = read_safetensors_index(store, uri, files)
+    reader = open_slice_cache(store, uri, cache_root)
+    index = read_safetensors_index(reader, uri, files)
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     # A tied head is in no file: it reads its source's bytes (from_pretrained's values; the meta
     # build does not tie, so it stays a separate parameter, as the broadcast path left it).
@@ -201,7 +281,7 @@ def load_owned_weights(model: nn.Module, store: Store, uri: str, files: dict[str
     def fetch(job):
         local, shape, offset, stored = job
         start, count = (offset[0], shape[0]) if shape else (0, 1)
-        return stored.read_rows(store, start, count)
+        return stored.read_rows(reader, start, count)
 
     def place(job, rows):
         local, shape, offset, _ = job
@@ -227,26 +307,31 @@ def load_mode(parallelism: str, safetensors: Optional[dict[str, int]]) -> str:
     return "ranged" if parallelism == "fsdp" else "node_cache"
 
 
-def record_weights_loaded(store: Store, cfg, rank: int, bytes_read: int, seconds: float) -> None:
-    """Gather what each rank read (and on which node) to rank 0, which records one
-    `weights_loaded` event: bytes read per node are what `eft report` and the tests check."""
+def record_weights_loaded(store: Store, cfg, rank: int, bytes_read: int, seconds: float,
+                          bytes_cached: int = 0) -> None:
+    """Gather what each rank read from storage and from its node's cache (and on which node) to
+    rank 0, which records one `weights_loaded` event: bytes read per node are what `eft report`
+    and the tests check."""
     import ray
     import torch.distributed as dist
 
     from app.train.checkpoint import record_event
 
     mine = {"rank": rank, "node_id": ray.get_runtime_context().get_node_id(), "bytes_read": int(bytes_read),
-            "seconds": round(seconds, 3)}
+            "bytes_cached": int(bytes_cached), "seconds": round(seconds, 3)}
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, mine)
     if rank != 0:
         return
     per_node: dict[str, int] = {}
+    cached_per_node: dict[str, int] = {}
     for entry in ranks:
         per_node[entry["node_id"]] = per_node.get(entry["node_id"], 0) + entry["bytes_read"]
+        cached_per_node[entry["node_id"]] = cached_per_node.get(entry["node_id"], 0) + entry["bytes_cached"]
     files = list_safetensors(store, cfg.model.uri)
     weights = sum(files.values()) if files else \
         sum(size for name, size in store.list_file_sizes(cfg.model.uri).items() if name.endswith(WEIGHT_SUFFIXES))
     record_event(store, cfg.run_uri, "weights_loaded", mode=load_mode(cfg.training.parallelism, files),
-                 model_uri=cfg.model.uri, weights_bytes=weights, bytes_per_node=per_node, ranks=ranks,
+                 model_uri=cfg.model.uri, weights_bytes=weights, bytes_per_node=per_node,
+                 cached_per_node=cached_per_node, ranks=ranks,
                  seconds=max(r["seconds"] for r in ranks))
