@@ -191,24 +191,18 @@ def run_check(root: str, store, args, size: dict, use_gpu: bool) -> tuple[list[l
 
 
 def predict_peak_gb(cfg, store) -> float | None:
-    """The memory plan's per-GPU peak for this run, where app/plan.py has one (None otherwise)."""
-    import app.plan
+    """The memory plan's per-GPU peak for this run, as torch.cuda.max_memory_allocated counts it
+    (the measured column: no CUDA context)."""
+    from app.plan import estimate_memory
     from app.train.architecture import load_model_config
 
-    if not hasattr(app.plan, "estimate_memory"):
-        return None
     try:
-        estimate = app.plan.estimate_memory(cfg, load_model_config(store, cfg.model.uri), world=1,
-                                            parallelism=cfg.training.parallelism)
+        estimate = estimate_memory(cfg, load_model_config(store, cfg.model.uri), world=1,
+                                   parallelism=cfg.training.parallelism)
     except Exception as err:  # a plan bug must not cost the measured runs their device time
         print(f"predicted peak: app.plan.estimate_memory failed: {type(err).__name__}: {err}", flush=True)
         return None
-    # As torch.cuda.max_memory_allocated counts it (the measured column): without the CUDA context.
-    for key in ("allocated_bytes", "total_bytes"):
-        value = estimate.get(key) if isinstance(estimate, dict) else getattr(estimate, key, None)
-        if value is not None:
-            return float(value) / 1e9
-    return None
+    return estimate.allocated_bytes / 1e9
 
 
 def run_matrix(root: str, store, args, size: dict, use_gpu: bool) -> tuple[list[list], int]:
@@ -254,7 +248,7 @@ def describe_matrix(size: dict, n_params: int, use_gpu: bool, steps: int) -> str
             f"{'bf16 compute' if use_gpu else 'fp32 on CPU'}; LoRA r=16 on all linear layers of the blocks (base "
             f"in bf16), full = fp32 master weights. Steady state = median over steps 3 on; step 1 includes warm-up "
             f"(and compilation); × base = against the same mode's first row. Predicted = `app.plan.estimate_memory` "
-            f"(allocated bytes, as the measured column; blank where app/plan.py has none).")
+            f"(allocated bytes, as the measured column).")
 
 
 def main() -> None:
