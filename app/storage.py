@@ -117,6 +117,16 @@ def resolve(uri: str, endpoint: Optional[str] = None, region: str = "us-east-1")
     return pafs.LocalFileSystem(), str(Path(uri).expanduser().absolute())
 
 
+def _read_whole(fs, path: str) -> bytes:
+    with fs.open_input_stream(path) as f:
+        return f.read()
+
+
+def _read_at(fs, path: str, offset: int, length: int) -> bytes:
+    with fs.open_input_file(path) as f:
+        return f.read_at(length, offset)
+
+
 class Store:
     """Storage bound to one endpoint/region (from `StorageConfig`)."""
 
@@ -188,14 +198,24 @@ class Store:
         return fs.get_file_info(path).type != pafs.FileType.NotFound
 
     def read_bytes(self, uri: str) -> bytes:
+        data = self._read_retrying(uri, lambda fs, path: _read_whole(fs, path))
+        self._count(len(data))
+        return data
+
+    def read_range(self, uri: str, offset: int, length: int) -> bytes:
+        """`length` bytes of one object from `offset`: one ranged GET on S3."""
+        data = self._read_retrying(uri, lambda fs, path: _read_at(fs, path, offset, length))
+        self._count(len(data))
+        if len(data) != length:
+            raise StorageError(f"{uri}: {len(data)} bytes at offset {offset}, expected {length} (object truncated?)")
+        return data
+
+    def _read_retrying(self, uri: str, read) -> bytes:
         fs, path = self.resolve(uri)
         attempts = READ_ATTEMPTS if is_s3(uri) else 1
         for attempt in range(attempts):
             try:
-                with fs.open_input_stream(path) as f:
-                    data = f.read()
-                self._count(len(data))
-                return data
+                return read(fs, path)
             except FileNotFoundError:
                 raise StorageError(f"{uri}: not found") from None
             except OSError:
@@ -205,27 +225,6 @@ class Store:
                 if attempt == attempts - 1:
                     raise
                 time.sleep(0.2 * 2 ** attempt)
-
-    def read_range(self, uri: str, offset: int, length: int) -> bytes:
-        """`length` bytes of one object from `offset`: one ranged GET on S3."""
-        fs, path = self.resolve(uri)
-        attempts = READ_ATTEMPTS if is_s3(uri) else 1
-        for attempt in range(attempts):
-            try:
-                with fs.open_input_file(path) as f:
-                    data = f.read_at(length, offset)
-                break
-            except FileNotFoundError:
-                raise StorageError(f"{uri}: not found") from None
-            except OSError:
-                # As in read_bytes: a throttled short GET can fail in a way the SDK does not retry.
-                if attempt == attempts - 1:
-                    raise
-                time.sleep(0.2 * 2 ** attempt)
-        self._count(len(data))
-        if len(data) != length:
-            raise StorageError(f"{uri}: {len(data)} bytes at offset {offset}, expected {length} (object truncated?)")
-        return data
 
     def write_bytes(self, uri: str, data: bytes) -> None:
         """One object, all or nothing: S3 PUT is atomic; locally we write a temp file and rename."""

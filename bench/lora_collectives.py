@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -127,6 +126,8 @@ def build_model_dir(path: Path, seq_len: int) -> None:
 
 
 def main() -> None:
+    from app.dev.local import find_free_port
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--steps", type=int, default=4, help="timed steps per variant per round")
@@ -142,10 +143,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, out = Path(tmp) / "model", Path(tmp) / "result.pt"
         build_model_dir(model_dir, args.seq_len)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.spawn(worker, args=(2, str(model_dir), port, str(out), args), nprocs=2)
+        mp.spawn(worker, args=(2, str(model_dir), find_free_port(), str(out), args), nprocs=2)
         data = torch.load(out, weights_only=False)
     after = load_average()
 

@@ -22,7 +22,6 @@ import argparse
 import itertools
 import json
 import os
-import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -101,19 +100,15 @@ def worker(rank: int, world: int, port: int, cfg_json: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(cfg, world: int) -> int:
     """The largest rank's peak bytes, each rank in a fresh process."""
     import torch.multiprocessing as mp
 
+    from app.dev.local import find_free_port
+
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "peak")
-        mp.spawn(worker, args=(world, free_port(), cfg.model_dump_json(), out), nprocs=world)
+        mp.spawn(worker, args=(world, find_free_port(), cfg.model_dump_json(), out), nprocs=world)
         return max(json.loads(Path(f"{out}.{r}").read_text())["peak_bytes"] for r in range(world))
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -121,17 +120,12 @@ def _worker(rank: int, world: int, model_dir: str, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     import torch
     import torch.multiprocessing as mp
 
+    from app.dev.local import find_free_port
     from app.dev.tiny import build_tiny_model, build_tiny_tokenizer
 
     model_dir = tmp_path_factory.mktemp("sharding-model")
@@ -139,7 +133,7 @@ def results(tmp_path_factory):
     assert len(tokenizer) <= VOCAB
     build_tiny_model(tokenizer, hidden_size=64, num_layers=2).save_pretrained(model_dir)
     out = model_dir / "results.pt"
-    mp.spawn(_worker, args=(2, str(model_dir), free_port(), str(out)), nprocs=2)
+    mp.spawn(_worker, args=(2, str(model_dir), find_free_port(), str(out)), nprocs=2)
     return torch.load(out, weights_only=False)
 
 
