@@ -140,6 +140,7 @@ def cmd_manifests(args) -> int:
     # The same image warning holds for every container: say it once.
     for message in dict.fromkeys(w.message for w in warnings):
         print(f"eft: warning: {message}", file=sys.stderr)
+    print(f"eft: {kube.describe_worker_fabric(manifests)}", file=sys.stderr)
     for path in kube.write_manifests(manifests, args.out):
         print(path)
     return 0

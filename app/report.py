@@ -15,7 +15,7 @@ import time
 from typing import Optional
 
 from app.storage import Store, join
-from app.summary import SUMMARY_FILE, build_interruptions, load_summary
+from app.summary import SUMMARY_FILE, build_interruptions, format_nccl, latest_nccl, load_summary
 from app.train import checkpoint as ckpt
 from app.train.metrics import format_duration, load_heartbeats, load_metrics
 from app.train.resume import CONFIG_FILE, load_run_config
@@ -170,6 +170,7 @@ def build_status(run: dict, now: Optional[float] = None) -> dict:
         "world_size_timeline": build_world_size_timeline(run["events"]),
         "checkpoints": len(checkpoints),
         "latest_checkpoint": checkpoints[-1] if checkpoints else None,
+        "nccl": latest_nccl(run["events"]),
         "error": (summary or {}).get("error"),
     }
 
@@ -233,6 +234,8 @@ def build_status_rows(status: dict) -> list[tuple[str, str]]:
         ("world size", format_timeline(status)),
         ("latest checkpoint", format_value(status["latest_checkpoint"])),
     ]
+    if status.get("nccl"):
+        rows += format_nccl(status["nccl"])
     if status["error"]:
         rows.append(("error", status["error"]))
     return rows

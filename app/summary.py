@@ -61,6 +61,18 @@ def build_interruptions(events: list[dict], heartbeats: list[dict]) -> list[dict
     return out
 
 
+def latest_nccl(events: list[dict]) -> Optional[dict]:
+    """What NCCL picked at the latest start (GPU runs only): network, plugin, fallback warning."""
+    return next(({k: v for k, v in e.items() if k not in ("kind", "time", "id")}
+                 for e in reversed(events) if e["kind"] == "nccl_transport"), None)
+
+
+def format_nccl(nccl: dict) -> list[tuple[str, str]]:
+    rows = [("NCCL network", f"{nccl.get('network') or 'unknown'} (fabric {nccl.get('fabric') or 'none'}, "
+                             f"{nccl.get('nodes')} node(s), GPUDirect RDMA {'yes' if nccl.get('gdr') else 'no'})")]
+    return rows + [("NCCL warning", nccl["fallback"])] if nccl.get("fallback") else rows
+
+
 def rows_per_epoch(rows_consumed: int, train_rows: int) -> list[int]:
     """Rows consumed in each epoch so far (the data order makes each epoch's rows distinct)."""
     if train_rows <= 0:
@@ -102,6 +114,7 @@ def build_summary(store: Store, cfg, status: str, wall_s: float, error: Optional
         "preemption_notices": [{"step": e["step"], "deadline_ms": e.get("deadline_ms"), "nodes": e.get("nodes")}
                                for e in events if e["kind"] == "preemption_notice"],
         "resumed_from_steps": [s["resumed_from_step"] for s in starts if s.get("resumed_from_step") is not None],
+        "nccl": latest_nccl(events),
         "checkpoints": checkpoints,
         "latest_checkpoint": checkpoints[-1] if checkpoints else None,
         "wall_s": round(wall_s, 2),
@@ -140,6 +153,8 @@ def render_summary(summary: dict) -> None:
         rows.append((f"interruption {i}", f"{item['cause']}: world {item['world_size_before']}→"
                      f"{item['world_size_after']}, resumed at step {item['resumed_from_step']}, "
                      f"recomputed {item['steps_recomputed']}, recovery {item['recovery_s']}s"))
+    if summary.get("nccl"):
+        rows += format_nccl(summary["nccl"])
     if summary.get("error"):
         rows.append(("error", summary["error"]))
     for key, value in rows:

@@ -154,7 +154,7 @@ def prepare_base_and_data(root: str, store, size: dict, use_gpu: bool) -> int:
     return n_params
 
 
-def run_check(root: str, store, args, size: dict, use_gpu: bool) -> tuple[list[list], int]:
+def run_check(root: str, store, args, size: dict, use_gpu: bool) -> tuple[list[list], int, list[dict]]:
     import ray
 
     from app.train.launch import run_training
@@ -172,6 +172,7 @@ def run_check(root: str, store, args, size: dict, use_gpu: bool) -> tuple[list[l
         metrics = load_metrics(store, cfg.run_uri)
         peak = steady(metrics, "peak_mem_gb") or steady(metrics, "peak_rss_gb")
         runs.append((name, steps, lora, summary, metrics, wall, peak))
+    nccl = [summary.get("nccl") for _, _, _, summary, *_ in runs]
     ray.shutdown()  # the bare loop gets the GPU to itself
     # The bare loop reads local files: a local root as is, S3 through the store's node cache.
     model_dir, data_dir = store.cache_locally(f"{root}/models/llama-random"), store.cache_locally(f"{root}/data/gpu-check")
@@ -187,7 +188,7 @@ def run_check(root: str, store, args, size: dict, use_gpu: bool) -> tuple[list[l
                      fmt(metrics[0].get("step_time_s") if metrics else None, ".1f"), f"{wall:.0f}",
                      round(summary["final_train_loss"], 3)])
         print(rows[-1], flush=True)
-    return rows, n_params
+    return rows, n_params, nccl
 
 
 def predict_peak_gb(cfg, store) -> float | None:
@@ -205,14 +206,14 @@ def predict_peak_gb(cfg, store) -> float | None:
     return estimate.allocated_bytes / 1e9
 
 
-def run_matrix(root: str, store, args, size: dict, use_gpu: bool) -> tuple[list[list], int]:
+def run_matrix(root: str, store, args, size: dict, use_gpu: bool) -> tuple[list[list], int, list[dict]]:
     """LoRA and full, each with every (training.loss, training.compile) of --combos; one run's
     files are deleted before the next starts (a full fine-tune's checkpoint is ~12 bytes/parameter)."""
     from app.train.launch import run_training
     from app.train.metrics import load_metrics
 
     n_params = prepare_base_and_data(root, store, size, use_gpu)
-    rows = []
+    rows, nccl = [], []
     for mode in args.runs:
         lora = mode == "lora"
         baseline: dict = {}
@@ -224,6 +225,7 @@ def run_matrix(root: str, store, args, size: dict, use_gpu: bool) -> tuple[list[
             started = time.monotonic()
             summary = run_training(cfg, store)
             wall = time.monotonic() - started
+            nccl.append(summary.get("nccl"))
             metrics = load_metrics(store, cfg.run_uri)
             store.delete_prefix(cfg.run_uri)
             rate = steady(metrics, "tokens_per_s")
@@ -237,7 +239,19 @@ def run_matrix(root: str, store, args, size: dict, use_gpu: bool) -> tuple[list[
                          fmt(metrics[0].get("step_time_s") if metrics else None, ".1f"), f"{wall:.0f}",
                          round(summary["final_train_loss"], 3)])
             print(rows[-1], flush=True)
-    return rows, n_params
+    return rows, n_params, nccl
+
+
+def describe_nccl(records: list) -> str:
+    """What NCCL picked on this machine, as rank 0 recorded it (app/train/nccl.py)."""
+    seen = [r for r in records if r]
+    if not seen:
+        return "NCCL transport: none recorded (CPU run, or NCCL_DEBUG set without NCCL_DEBUG_FILE)."
+    r = seen[0]
+    return (f"NCCL transport as rank 0 recorded it: NCCL {r.get('nccl_version')}, network {r.get('network')}, "
+            f"plugin {r.get('plugin') or 'internal'}, fabric {r.get('fabric') or 'none'}, {r.get('nodes')} node(s), "
+            f"channels {', '.join(r.get('channels') or []) or '-'}; the same in all {len(seen)} run(s): "
+            f"{all(s.get('network') == r.get('network') for s in seen)}.")
 
 
 def describe_matrix(size: dict, n_params: int, use_gpu: bool, steps: int) -> str:
@@ -294,20 +308,21 @@ def main() -> None:
             root = "s3://eft/gpu-check"
         stack.callback(ray.shutdown)
         if args.shape == "8b":
-            rows, n_params = run_matrix(root, Store(), args, size, use_gpu)
+            rows, n_params, nccl = run_matrix(root, Store(), args, size, use_gpu)
         else:
-            rows, n_params = run_check(root, Store(), args, size, use_gpu)
+            rows, n_params, nccl = run_check(root, Store(), args, size, use_gpu)
     if args.shape == "8b":
         table = "\n\n".join([
             describe_matrix(size, n_params, use_gpu, args.steps),
             markdown_table(["run", "training.loss", "compile", "steps", "tokens/s", "× base", "MFU", "peak GB",
                             "× base", "predicted GB", "step s", "step 1 s", "run wall s", "final loss"], rows),
+            describe_nccl(nccl),
             f"Whole check: {time.monotonic() - wall0:.0f} s.",
         ])
         if args.smoke:
             print(table)
         else:
-            save_result("gpu_check_8b", {"rows": rows, "parameters": n_params, "size": size}, table)
+            save_result("gpu_check_8b", {"rows": rows, "parameters": n_params, "size": size, "nccl": nccl}, table)
         return
     table = "\n\n".join([
         f"Random-init Llama, {n_params / 1e9:.2f}B parameters (hidden {size['hidden_size']}, {size['num_layers']} "
@@ -317,12 +332,13 @@ def main() -> None:
         "median over steps 3 on; step 1 includes warm-up; run wall = `run_training` from call to return (Ray Train start, model load and sharding, the steps, one checkpoint).",
         markdown_table(["run", "steps", "eft tokens/s", "bare tokens/s", "eft / bare", "MFU", "peak GB", "step s", "step 1 s", "run wall s",
                         "final loss"], rows),
+        describe_nccl(nccl),
         f"Whole check: {time.monotonic() - wall0:.0f} s.",
     ])
     if args.smoke:
         print(table)
     else:
-        save_result("gpu_check", {"rows": rows, "parameters": n_params, "size": size}, table)
+        save_result("gpu_check", {"rows": rows, "parameters": n_params, "size": size, "nccl": nccl}, table)
 
 
 if __name__ == "__main__":

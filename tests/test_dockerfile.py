@@ -59,3 +59,16 @@ def test_image_matches_the_manifests():
     # Only the sources go into the build context: no .venv, .eft state or credentials.
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert ignored[ignored.index("*"):] == ["*", "!pyproject.toml", "!app/", "app/**/__pycache__", "app/**/*.pyc"]
+
+
+def test_image_carries_the_efa_plugin_pinned():
+    """libfabric's efa provider and aws-ofi-nccl from AWS's installer at a pinned version, user
+    space only, on the library path NCCL's dlopen searches; fi_info on PATH to check a node."""
+    text = DOCKERFILE.read_text()
+    assert re.search(r"^ARG EFA_INSTALLER_VERSION=\d+\.\d+\.\d+$", text, re.M), "EFA installer not pinned"
+    install = re.search(r"^RUN \./efa_installer\.sh (.*?)\\$", text, re.M)
+    assert install and {"-y", "-g", "--skip-kmod", "--no-verify"} <= set(install.group(1).split())
+    assert re.search(r"^ENV LD_LIBRARY_PATH=/opt/amazon/ofi-nccl/lib:/opt/amazon/efa/lib:", text, re.M)
+    assert "PATH=/opt/amazon/efa/bin:" in text
+    # The installer runs as root, the image does not.
+    assert text.index("efa_installer.sh") < text.rindex("USER 1000:100")

@@ -135,7 +135,9 @@ def test_reference_is_authenticated_and_hardened(reference):
         for pod in (head, worker):
             assert pod["serviceAccountName"] == "eft" and pod["automountServiceAccountToken"] is False
             container = pod["containers"][0]
-            assert container["securityContext"] == hardened
+            # The workers span p4d nodes: their fabric (EFA) adds IPC_LOCK and nothing else.
+            fabric = {"capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]}} if pod is worker else {}
+            assert container["securityContext"] == dict(hardened, **fabric)
             mounts = {m["mountPath"] for m in container["volumeMounts"]}
             assert {"/tmp", "/cache", "/dev/shm"} <= mounts
             env = {e["name"]: e.get("value") for e in container["env"]}
@@ -420,9 +422,11 @@ def test_cli_renders_and_checks_the_reference(tmp_path):
     rendered = run_cli(str(REFERENCE), "--overlay", "eks-spot", "--image", IMAGE, "--out", str(out))
     assert rendered.returncode == 0, rendered.stderr
     assert sorted(p.name for p in out.iterdir()) == FILES
-    # A tag is not a digest: one warning line, and the render still succeeds.
+    # A tag is not a digest: one warning line, and the render still succeeds; then the fabric line.
     assert rendered.stderr.splitlines() == [f"eft: warning: image {IMAGE!r} is pinned by tag, not digest: a re-pushed "
-                                            "tag changes what new pods run"]
+                                            "tag changes what new pods run",
+                                            "eft: workers: up to 4 p4d.24xlarge node(s) over AWS Elastic Fabric Adapter "
+                                            "through aws-ofi-nccl (libfabric efa provider)"]
     pinned = run_cli("--check", str(out))
     assert pinned.returncode == 0 and pinned.stdout.startswith(f"ok: {len(FILES)} manifest(s)"), pinned
     assert f"{out}/raycluster.yaml: spec.headGroupSpec.template.spec.containers[0].image: warning: " in pinned.stderr

@@ -49,6 +49,7 @@ echo "ray $* [on $SLURMD_NODENAME]" >> "$SHIM_LOG"
 mode=$(stat -c %a "$RAY_AUTH_TOKEN_PATH" "${RAY_AUTH_TOKEN_PATH%/*}" 2>/dev/null | paste -sd/)
 token=$(cat "$RAY_AUTH_TOKEN_PATH" 2>/dev/null)
 echo "ray $1|${SLURMD_NODENAME:-batch}|$RAY_AUTH_MODE|$RAY_AUTH_TOKEN_PATH|$mode|$token" >> "$AUTH_LOG"
+echo "ray $1|${SLURMD_NODENAME:-batch}|${FI_PROVIDER:-}|${FI_EFA_USE_DEVICE_RDMA:-}|${NCCL_SOCKET_IFNAME:-}" >> "$FABRIC_LOG"
 if [[ $RAY_AUTH_MODE != token || ! -s $RAY_AUTH_TOKEN_PATH ]]; then echo "Unauthenticated: no Ray token" >&2; exit 1; fi
 case $1 in
   health-check)
@@ -74,11 +75,17 @@ esac
 echo "eft $* [RAY_ADDRESS=$RAY_ADDRESS]" >> "$SHIM_LOG"
 mode=$(stat -c %a "$RAY_AUTH_TOKEN_PATH" "${RAY_AUTH_TOKEN_PATH%/*}" | paste -sd/)
 echo "eft $1|batch|$RAY_AUTH_MODE|$RAY_AUTH_TOKEN_PATH|$mode|$(cat "$RAY_AUTH_TOKEN_PATH")" >> "$AUTH_LOG"
+echo "eft $1|batch|${FI_PROVIDER:-}|${FI_EFA_USE_DEVICE_RDMA:-}|${NCCL_SOCKET_IFNAME:-}" >> "$FABRIC_LOG"
 end=$(( SECONDS + ${EFT_SHIM_SECONDS:-0} ))
 while (( SECONDS < end )); do
     if grep -q "got SIGTERM (drain" "$SHIM_LOG"; then echo "eft checkpointed and exited" >> "$SHIM_LOG"; exit 1; fi
     sleep 0.05
 done
+''',
+    # fi_info: libfabric's probe; it finds the efa provider only where FAKE_EFA=1.
+    "fi_info": r'''#!/bin/bash
+echo "fi_info $* [on $SLURMD_NODENAME]" >> "$SHIM_LOG"
+if [[ ${FAKE_EFA:-0} == 1 ]]; then echo "provider: efa"; else echo "fi_getinfo: -61 (No data available)" >&2; exit 1; fi
 ''',
 }
 
@@ -99,8 +106,10 @@ def fake_slurm(tmp_path):
     log = tmp_path / "commands.log"
     log.touch()
     (tmp_path / "auth.log").touch()
+    (tmp_path / "fabric.log").touch()
     env = {
         "AUTH_LOG": str(tmp_path / "auth.log"),
+        "FABRIC_LOG": str(tmp_path / "fabric.log"),
         "EFT_SLURM_STATE_DIR": str(tmp_path / "state"),
         # A stray token in the caller's environment must not reach the cluster.
         "RAY_AUTH_TOKEN": "stray-token-from-the-login-shell",
@@ -206,6 +215,37 @@ def test_gives_up_when_a_worker_never_joins(fake_slurm):
     text = log.read_text()
     assert "eft train" not in text
     assert "raylet on node1 got SIGTERM" in text and "raylet on node2 got SIGTERM" in text
+
+
+@pytest.mark.parametrize("fabric", ["efa", None])
+def test_the_efa_switch_reaches_every_step(fake_slurm, fabric):
+    env, log = fake_slurm
+    extra = {"EFT_FABRIC": fabric, "FAKE_EFA": "1"} if fabric else {}
+    proc = start(env, "jobs/configs/llama3-70b-lora.yaml", **extra)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    seen = {tuple(line.split("|")) for line in (log.parent / "fabric.log").read_text().splitlines()}
+    steps = {("ray start", "node1"), ("ray start", "node2"), ("eft train", "batch")}
+    assert {(cmd, node) for cmd, node, *_ in seen} >= steps
+    want = ("efa", "1", "^lo,docker") if fabric else ("", "", "")
+    assert {tuple(rest) for cmd, node, *rest in seen if (cmd, node) in steps} == {want}
+    lines = log.read_text().splitlines()
+    probes = [i for i, line in enumerate(lines) if line.startswith("fi_info -p efa")]
+    head = next(i for i, line in enumerate(lines) if line.startswith("ray start --head"))
+    assert (probes and probes[0] < head) if fabric else not probes
+    assert f"fabric: {fabric or 'none'}" in err
+
+
+@pytest.mark.parametrize("extra, rc, message", [
+    ({"EFT_FABRIC": "efa", "FAKE_EFA": "0"}, 1, "EFT_FABRIC=efa but `fi_info -p efa` finds no EFA device on node1"),
+    ({"EFT_FABRIC": "ib"}, 2, "EFT_FABRIC=ib: unknown fabric (efa or none)"),
+])
+def test_a_missing_or_unknown_fabric_stops_before_ray(fake_slurm, extra, rc, message):
+    env, log = fake_slurm
+    proc = start(env, "jobs/configs/llama3-70b-lora.yaml", **extra)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == rc and message in err, err
+    assert "ray start" not in log.read_text()
 
 
 def test_needs_a_config():

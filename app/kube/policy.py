@@ -17,6 +17,8 @@ from app.config import ConfigError, JobConfig, build_config
 from app.kube.render import (API_TOKEN_MOUNT, CONFIG_MOUNT, DRAIN_ENV, ENTRYPOINT, GPU_RESOURCE,
                              HEAD_CLIENT_PORTS, KUEUE_QUEUE_LABEL, RUN_LABEL, SAFE_TO_EVICT, SPOT_LABELS, TMP_MOUNT,
                              build_manifests, check_image, warn_image)
+from app.kube.fabric import DAEMONS, EFA_RESOURCE, FABRICS, NODE_TYPE_ANNOTATION, Fabric, needs_fabric
+from app.kube.render import NODE_TYPES
 from app.kube.schema import ERROR, WARNING, Violation, check_schema, format_path, load_schemas
 
 SECRET_NAME = re.compile(r"SECRET|PASSWORD|TOKEN|ACCESS_KEY|API_KEY|CREDENTIAL|PRIVATE_KEY", re.I)
@@ -94,37 +96,122 @@ def check_head_off_spot(pod_spec: dict, at: str) -> list[tuple[str, str]]:
     return out
 
 
-def check_security_context(c: dict, pod_context: dict, at: str) -> list[tuple]:
+def check_security_context(c: dict, pod_context: dict, at: str, allowed_caps: tuple = (),
+                           root_allowed: bool = False) -> list[tuple]:
     """The hardening every container keeps: the container's own securityContext, falling back to
-    the pod's for the two fields Kubernetes inherits (runAsNonRoot, seccompProfile)."""
+    the pod's for the two fields Kubernetes inherits (runAsNonRoot, seccompProfile). A fabric's
+    containers may add exactly the capabilities it needs, and its RxDM daemon may run as root."""
     ctx = c.get("securityContext") or {}
     at = f"{at}.securityContext"
     out = []
-    if ctx.get("runAsNonRoot", pod_context.get("runAsNonRoot")) is not True:
-        out.append((f"{at}.runAsNonRoot", "must be true (containers run as a non-root user)"))
-    if ctx.get("runAsUser", pod_context.get("runAsUser")) == 0:
-        out.append((f"{at}.runAsUser", "0 runs as root"))
+    if not root_allowed:
+        if ctx.get("runAsNonRoot", pod_context.get("runAsNonRoot")) is not True:
+            out.append((f"{at}.runAsNonRoot", "must be true (containers run as a non-root user)"))
+        if ctx.get("runAsUser", pod_context.get("runAsUser")) == 0:
+            out.append((f"{at}.runAsUser", "0 runs as root"))
     if ctx.get("privileged") is True:
         out.append((f"{at}.privileged", "must not be true"))
     if ctx.get("allowPrivilegeEscalation") is not False:
         out.append((f"{at}.allowPrivilegeEscalation", "must be false"))
     if "ALL" not in (get(ctx, "capabilities", "drop", default=[]) or []):
         out.append((f"{at}.capabilities.drop", 'must drop ["ALL"]'))
-    if get(ctx, "capabilities", "add"):
-        out.append((f"{at}.capabilities.add", "must add no capabilities"))
+    extra = [cap for cap in get(ctx, "capabilities", "add", default=[]) or []
+             if cap.removeprefix("CAP_") not in allowed_caps]
+    if extra:
+        allowed = f" beyond its fabric's {list(allowed_caps)}" if allowed_caps else ""
+        out.append((f"{at}.capabilities.add", f"must add no capabilities{allowed} (adds {extra})"))
     seccomp = get(ctx, "seccompProfile", "type", default=get(pod_context, "seccompProfile", "type"))
     if seccomp not in ("RuntimeDefault", "Localhost"):
         out.append((f"{at}.seccompProfile.type", f"{seccomp!r} must be RuntimeDefault (or Localhost)"))
     return out
 
 
-def check_container(c: dict, at: str, pod_context: dict) -> list[tuple]:
+def image_repo(image: Optional[str]) -> str:
+    name = (image or "").split("@", 1)[0]
+    last = name.rsplit("/", 1)[-1]
+    return name.rsplit(":", 1)[0] if ":" in last else name
+
+
+def find_pod_fabric(spec: dict) -> Optional[Fabric]:
+    """The fabric a pod uses: EFA devices requested by its Ray container, or a GPUDirect RxDM
+    daemon sidecar running Google's image."""
+    containers = spec.get("containers") or []
+    requests = get(containers, 0, "resources", "requests", default={}) or {}
+    if EFA_RESOURCE in requests:
+        return FABRICS["efa"]
+    for c in containers[1:]:
+        fabric = DAEMONS.get(c.get("name"))
+        if fabric and image_repo(c.get("image")) == image_repo(fabric.daemon.image):
+            return fabric
+    return None
+
+
+def describe_worker_fabric(manifests: dict[str, dict]) -> str:
+    """One line for `eft manifests`: the fabric the worker pods use, or why they use none."""
+    group = get(manifests["rayjob.yaml"], "spec", "rayClusterSpec", "workerGroupSpecs", 0, default={}) or {}
+    node = NODE_TYPES.get(get(group, "template", "metadata", "annotations", NODE_TYPE_ANNOTATION))
+    fabric = find_pod_fabric(get(group, "template", "spec", default={}) or {})
+    nodes = f"up to {group.get('maxReplicas')} {node.name if node else '?'} node(s)"
+    if fabric:
+        return f"workers: {nodes} over {fabric.what}"
+    if node is None or not node.gpus:
+        return f"workers: {nodes}, CPU only: no GPU fabric"
+    why = "the job fits one node (NVLink inside it)" if node.fabric else "the node type has no fast fabric"
+    return f"workers: {nodes}, NCCL over TCP sockets between nodes: {why}"
+
+
+def check_host_paths(spec: dict, fabric: Optional[Fabric], at: str) -> list[tuple]:
+    """hostPath volumes expose the node: only the paths the pod's own fabric mounts are allowed."""
+    allowed = set()
+    if fabric:
+        mounts = fabric.ray_host_mounts + (fabric.daemon.host_mounts if fabric.daemon else ())
+        allowed = {host for _, host, _ in mounts}
+    out = []
+    for i, volume in enumerate(spec.get("volumes") or []):
+        path = get(volume, "hostPath", "path")
+        if "hostPath" in volume and path not in allowed:
+            why = f"only its fabric's {sorted(allowed)}" if allowed else "no hostPath (the pod uses no fabric)"
+            out.append((f"{at}.volumes[{i}].hostPath", f"{path!r}: a hostPath exposes the node; {why}"))
+    return out
+
+
+def check_worker_fabric(group: dict, at: str) -> list[tuple]:
+    """A GPU group that spans nodes of a fabric node type must use that fabric, with all its
+    devices: FSDP all-gathers the base across nodes every step, and NCCL over TCP sockets makes
+    the job network-bound."""
+    tpl = group.get("template") or {}
+    spec = tpl.get("spec") or {}
+    name = get(spec, "nodeSelector", "node.kubernetes.io/instance-type") or \
+        get(tpl, "metadata", "annotations", NODE_TYPE_ANNOTATION)
+    node = NODE_TYPES.get(name)
+    limits = get(spec, "containers", 0, "resources", "limits", default={}) or {}
+    gpus = float(str(limits.get("nvidia.com/gpu", 0)))
+    replicas = group.get("maxReplicas") if isinstance(group.get("maxReplicas"), int) else 0
+    want = needs_fabric(node, replicas, gpus) if node else None
+    if want is None:
+        return []
+    have = find_pod_fabric(spec)
+    if have is None or have.name != want.name:
+        ask = f"request {EFA_RESOURCE}: {node.fabric_devices}" if want.name == "efa" else \
+            f"add the {want.daemon.name} sidecar"
+        return [(f"{at}.template.spec", f"up to {replicas} {name} nodes without their {want.name} fabric: NCCL "
+                                        f"falls back to TCP sockets between nodes ({ask}; eft manifests renders it)")]
+    devices = get(spec, "containers", 0, "resources", "limits", EFA_RESOURCE)
+    if want.name == "efa" and str(devices) != str(node.fabric_devices):
+        return [(f"{at}.template.spec.containers[0].resources.limits",
+                 f"{EFA_RESOURCE} {devices} of the {node.fabric_devices} a {name} node has: NCCL maps GPUs to "
+                 f"the devices it gets, so a partial request halves the bandwidth or worse")]
+    return []
+
+
+def check_container(c: dict, at: str, pod_context: dict, allowed_caps: tuple = (),
+                    root_allowed: bool = False) -> list[tuple]:
     out = []
     if problem := check_image(c.get("image")):
         out.append((f"{at}.image", problem))
     elif problem := warn_image(c.get("image")):
         out.append((f"{at}.image", problem, WARNING))
-    out += check_security_context(c, pod_context, at)
+    out += check_security_context(c, pod_context, at, allowed_caps, root_allowed)
     requests = get(c, "resources", "requests", default={}) or {}
     limits = get(c, "resources", "limits", default={}) or {}
     for res in sorted(set(requests) | set(limits)):
@@ -151,8 +238,12 @@ def check_pod(pod: dict, at: str, *, ray: bool) -> list[tuple]:
     if spec.get("hostNetwork") or spec.get("hostPID") or spec.get("hostIPC"):
         out.append((f"{at}.spec", "must not share the host's network, PID or IPC namespace"))
     containers = spec.get("containers") or []
+    fabric = find_pod_fabric(spec) if ray else None
     for i, c in enumerate(containers):
-        out += check_container(c, f"{at}.spec.containers[{i}]", pod_context)
+        daemon = fabric.daemon if fabric and fabric.daemon and i and c.get("name") == fabric.daemon.name else None
+        caps = daemon.capabilities if daemon else (fabric.capabilities if fabric and i == 0 else ())
+        out += check_container(c, f"{at}.spec.containers[{i}]", pod_context, caps, root_allowed=daemon is not None)
+    out += check_host_paths(spec, fabric, f"{at}.spec")
     for i, c in enumerate(spec.get("initContainers") or []):
         out += check_container(c, f"{at}.spec.initContainers[{i}]", pod_context)
     if not ray or not containers:
@@ -218,6 +309,7 @@ def check_cluster_spec(spec: dict, at: str) -> list[tuple]:
             out.append((f"{gat}.minReplicas", f"{lo} > maxReplicas ({hi})"))
         tpl = group.get("template") or {}
         out += check_pod(tpl, f"{gat}.template", ray=True)
+        out += check_worker_fabric(group, gat)
         pod_spec = tpl.get("spec") or {}
         for key in selects_spot(pod_spec):
             if not tolerates(pod_spec, key):

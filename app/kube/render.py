@@ -29,6 +29,7 @@ from typing import Any, Optional
 import yaml
 
 from app.config import ConfigError, JobConfig, dump_config
+from app.kube.fabric import NODE_TYPE_ANNOTATION, apply_fabric, needs_fabric
 
 RAY_VERSION = "2.60.0"
 CONFIG_MOUNT = "/config"
@@ -81,6 +82,11 @@ class NodeType:
     # Memory per GPU as CUDA reports it (torch.cuda.get_device_properties().total_memory), a little
     # under the marketing GB: what `eft plan` fits a worker into.
     gpu_memory_gib: float = 0.0
+    # The fast fabric between nodes (app/kube/fabric.py): "efa", "tcpx", "tcpxo" or None, with
+    # EFA's device count and whether its NICs do GPUDirect RDMA.
+    fabric: Optional[str] = None
+    fabric_devices: int = 0
+    rdma: bool = False
 
     @property
     def model_cache_gib(self) -> int:
@@ -94,13 +100,15 @@ class NodeType:
 
 
 NODE_TYPES = {n.name: n for n in [
-    NodeType("p4d.24xlarge", "aws", 8, "A100-40GB", 92, 1050, 39.4),
-    NodeType("p4de.24xlarge", "aws", 8, "A100-80GB", 92, 1050, 79.2),
-    NodeType("p5.48xlarge", "aws", 8, "H100-80GB", 188, 1900, 79.2),
+    NodeType("p4d.24xlarge", "aws", 8, "A100-40GB", 92, 1050, 39.4, fabric="efa", fabric_devices=4, rdma=True),
+    NodeType("p4de.24xlarge", "aws", 8, "A100-80GB", 92, 1050, 79.2, fabric="efa", fabric_devices=4, rdma=True),
+    NodeType("p5.48xlarge", "aws", 8, "H100-80GB", 188, 1900, 79.2, fabric="efa", fabric_devices=32, rdma=True),
+    # g5.48xlarge has one EFA at 100 Gbps without GPUDirect RDMA, no faster than its ENA: left off.
     NodeType("g5.48xlarge", "aws", 8, "A10G-24GB", 188, 700, 22.0),
     NodeType("g5.12xlarge", "aws", 4, "A10G-24GB", 44, 170, 22.0),
     NodeType("m6i.2xlarge", "aws", 0, "", 7, 26),
-    NodeType("a3-highgpu-8g", "gcp", 8, "H100-80GB", 200, 1700, 79.2),
+    NodeType("a3-highgpu-8g", "gcp", 8, "H100-80GB", 200, 1700, 79.2, fabric="tcpx"),
+    NodeType("a3-megagpu-8g", "gcp", 8, "H100-80GB", 200, 1800, 79.2, fabric="tcpxo"),
     NodeType("a2-highgpu-8g", "gcp", 8, "A100-40GB", 92, 600, 39.4),
     NodeType("a2-ultragpu-8g", "gcp", 8, "A100-80GB", 92, 1200, 79.2),
     NodeType("g2-standard-48", "gcp", 4, "L4-24GB", 44, 170, 22.0),
@@ -368,6 +376,10 @@ def build_cluster_spec(cfg: JobConfig, overlay: Overlay, image: str, place: Plac
                                 resources=build_resources(place.pod_cpus, place.pod_memory_gib, place.pod_gpus,
                                                           ephemeral),
                                 config_map=config_map, shm_gib=max(1, place.pod_memory_gib // 3), extra=extra)
+    # The node type the pods are sized for, so the policy check knows its fabric on any overlay.
+    worker["metadata"].setdefault("annotations", {})[NODE_TYPE_ANNOTATION] = place.node.name
+    if fabric := needs_fabric(place.node, place.max_replicas, place.pod_gpus):
+        apply_fabric(worker, fabric, place.node)
     group = "gpu-workers" if place.pod_gpus else "cpu-workers"
     return {
         "rayVersion": RAY_VERSION,

@@ -30,6 +30,7 @@ from app.train import checkpoint as ckpt
 from app.train.loss import apply_loss, loss_sum
 from app.train.metrics import Heartbeat, MetricsLog, StepTimer, format_progress, peak_memory
 from app.train.mfu import mfu, model_flops_per_token, peak_flops
+from app.train.nccl import NcclProbe
 from app.train.resume import build_lineage
 from app.train.sinks import MlflowSink, TensorBoardSink, flatten
 from app.train.model import build_model, count_parameters, resolve_precision, trainable_parameters
@@ -137,6 +138,8 @@ def train_loop_per_worker(config: dict) -> None:
     setup_worker_logging(rank)
     store = Store.from_config(cfg.storage)
     device = ray.train.torch.get_device()
+    # Before NCCL's first communicator, so its INIT/NET lines land where rank 0 can read them.
+    nccl_probe = NcclProbe.start(device)
     t = cfg.training
     accum = micro_batches_per_step(t.global_batch_size, world, t.micro_batch_size)
     padding_rows = accum * world * t.micro_batch_size - t.global_batch_size
@@ -273,6 +276,8 @@ def train_loop_per_worker(config: dict) -> None:
         else:
             timer.skip_step()
         heartbeat.beat(step)
+        if nccl_probe and rank == 0 and step == timer.start_step + 1:
+            nccl_probe.report(store, cfg.run_uri, nodes=max(world // ctx.get_local_world_size(), 1))
 
         just_in_time = cfg.checkpoint.on_preemption and check_preemption(notices_seen, store, cfg.run_uri, step, rank)
         if just_in_time or step % cfg.checkpoint.save_every_steps == 0 or step == steps_total:
