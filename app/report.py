@@ -15,7 +15,8 @@ import time
 from typing import Optional
 
 from app.storage import Store, join
-from app.summary import SUMMARY_FILE, build_interruptions, format_nccl, latest_nccl, load_summary
+from app.summary import (SUMMARY_FILE, build_interruptions, format_nccl, format_restart_phases, latest_nccl,
+                         load_summary)
 from app.train import checkpoint as ckpt
 from app.train.metrics import format_duration, load_heartbeats, load_metrics
 from app.train.resume import CONFIG_FILE, load_run_config
@@ -319,10 +320,11 @@ def render_markdown(status: dict, has_val: bool, plot_name: str = PLOT_FILE) -> 
              "## Interruptions", ""]
     if status["interruptions"]:
         header = ["#", "cause", "world", "step at notice", "last step before", "resumed from",
-                  "steps recomputed", "steps lost", "recovery (s)"]
+                  "steps recomputed", "steps lost", "recovery (s)", "recovery phases (s)"]
         rows = [[i, it["cause"], f"{it['world_size_before']}→{it['world_size_after']}", it["step_at_notice"],
                  it["last_step_before"], it["resumed_from_step"], it["steps_recomputed"], it["steps_lost"],
-                 it["recovery_s"]] for i, it in enumerate(status["interruptions"], 1)]
+                 it["recovery_s"], format_restart_phases(it.get("phases"))]
+                for i, it in enumerate(status["interruptions"], 1)]
         parts.append(render_markdown_table(header, rows))
     else:
         parts.append("None: the worker group ran without a restart.")

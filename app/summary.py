@@ -31,6 +31,44 @@ def classify_interruption(between: list[dict], before: dict, after: dict) -> str
     return "worker_failure"
 
 
+# A restart from the old group's last step to the new group's first, as consecutive phases: each
+# named by the mark that ends it, from the driver's events and the new rank 0's marks.
+RESTART_PHASES = [
+    ("detect_s", "the controller decided on the failure"),
+    ("relaunch_s", "the new worker group was launched"),
+    ("worker_start_s", "the train function started (actors, imports, process group)"),
+    ("setup_s", "the model load began (config, data order, stream start)"),
+    ("model_load_s", "the model was built and its weights loaded"),
+    ("restore_s", "the checkpoint was restored"),
+    ("first_batch_s", "the first batch was in hand"),
+    ("first_step_s", "the first step was done"),
+]
+
+
+def build_restart_phases(between: list[dict], after: dict, prev: dict, nxt: dict) -> Optional[dict]:
+    """Seconds per phase of one restart. A mark that was not recorded merges its phase into the
+    next, so the phases always add up to the recovery time."""
+    failures = [e["time"] for e in between if e["kind"] == "worker_group_failure"]
+    launches = [e["time"] for e in between if e["kind"] == "worker_group_launch"]
+    marks = [failures[0] if failures else None, launches[-1] if launches else None, after.get("entered_at"),
+             after.get("model_load_at"), after.get("model_built_at"), after.get("restored_at"),
+             nxt.get("first_batch_at"), nxt.get("first_step_at")]
+    last = prev.get("last_step_at")
+    if last is None or marks[-1] is None:
+        return None
+    phases = {}
+    for (name, _), mark in zip(RESTART_PHASES, marks):
+        if mark is not None and mark >= last:
+            phases[name], last = round(mark - last, 2), mark
+    return phases
+
+
+def format_restart_phases(phases: Optional[dict]) -> str:
+    if not phases:
+        return "-"
+    return ", ".join(f"{name.removesuffix('_s').replace('_', ' ')} {value:.1f}" for name, value in phases.items())
+
+
 def build_interruptions(events: list[dict], heartbeats: list[dict]) -> list[dict]:
     """One record per restart of the worker group, from the events and heartbeats of the run.
     Steps recomputed = last step reached before it − step resumed from; recovery = last
@@ -57,6 +95,7 @@ def build_interruptions(events: list[dict], heartbeats: list[dict]) -> list[dict
             # Steps done before the notice but not in the checkpoint resumed from: 0 with a JIT save.
             "steps_lost": max(step_at_notice - resumed, 0) if step_at_notice is not None else None,
             "recovery_s": round(recovery, 2) if recovery is not None else None,
+            "phases": build_restart_phases(between, after, prev, nxt),
         })
     return out
 
@@ -152,7 +191,8 @@ def render_summary(summary: dict) -> None:
     for i, item in enumerate(summary.get("interruptions", []), 1):
         rows.append((f"interruption {i}", f"{item['cause']}: world {item['world_size_before']}→"
                      f"{item['world_size_after']}, resumed at step {item['resumed_from_step']}, "
-                     f"recomputed {item['steps_recomputed']}, recovery {item['recovery_s']}s"))
+                     f"recomputed {item['steps_recomputed']}, recovery {item['recovery_s']}s "
+                     f"({format_restart_phases(item.get('phases'))})"))
     if summary.get("nccl"):
         rows += format_nccl(summary["nccl"])
     if summary.get("error"):

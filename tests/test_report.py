@@ -277,3 +277,24 @@ def test_no_run_here_is_one_line_and_non_zero(s3):
         assert proc.returncode != 0
         assert proc.stderr.strip().splitlines() == [
             f"eft: error: {uri}: no run here (no config.yaml, metrics or events/)"]
+
+
+def test_a_restart_breaks_into_phases_that_add_up_to_its_recovery():
+    from app.summary import build_restart_phases, format_restart_phases
+
+    prev = {"last_step_at": 100.0}
+    between = [{"kind": "preemption_notice", "time": 99.0}, {"kind": "worker_group_failure", "time": 103.0},
+               {"kind": "worker_group_launch", "time": 104.5}]
+    after = {"entered_at": 108.0, "model_load_at": 109.0, "model_built_at": 112.0, "restored_at": 112.5}
+    nxt = {"first_batch_at": 112.7, "first_step_at": 113.9}
+    phases = build_restart_phases(between, after, prev, nxt)
+    assert phases == {"detect_s": 3.0, "relaunch_s": 1.5, "worker_start_s": 3.5, "setup_s": 1.0, "model_load_s": 3.0,
+                      "restore_s": 0.5, "first_batch_s": 0.2, "first_step_s": 1.2}
+    assert sum(phases.values()) == pytest.approx(nxt["first_step_at"] - prev["last_step_at"])
+    assert format_restart_phases(phases).startswith("detect 3.0, relaunch 1.5, worker start 3.5, setup 1.0")
+    # A fixed-size run records no controller events: the time before the train function is one phase.
+    alone = build_restart_phases([], after, prev, nxt)
+    assert list(alone)[:2] == ["worker_start_s", "setup_s"] and alone["worker_start_s"] == 8.0
+    # A run recorded before the marks existed: the whole recovery is its last phase.
+    assert build_restart_phases([], {}, prev, {"first_step_at": 113.9}) == {"first_step_s": 13.9}
+    assert build_restart_phases([], after, {}, nxt) is None

@@ -484,6 +484,10 @@ def test_events_record_each_worker_group(straight_run):
     assert beat["attempt"] == group["id"] and beat["world_size"] == 2
     assert (beat["first_step"], beat["last_step"]) == (1, 12)
     assert group["time"] <= beat["started_at"] <= beat["first_step_at"] <= beat["last_step_at"]
+    # The marks a restart's breakdown is built from, in the order the start passes them.
+    marks = [group["entered_at"], group["model_load_at"], group["model_built_at"], group["restored_at"],
+             beat["first_batch_at"], beat["first_step_at"]]
+    assert driver["time"] <= marks[0] and marks == sorted(marks) and marks[3] <= group["time"]
 
 
 def _compare_sharded_load(config: dict) -> None:

@@ -132,6 +132,8 @@ def train_loop_per_worker(config: dict) -> None:
     import ray.train.torch
 
     # --- setup -------------------------------------------------------------------
+    # Wall-clock marks of this start, for the restart breakdown in the summary.
+    marks = {"entered_at": time.time()}
     cfg = JobConfig.model_validate(config["cfg"])
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
@@ -166,7 +168,9 @@ def train_loop_per_worker(config: dict) -> None:
 
     # A Store of its own, so its byte count is what loading the model read from storage.
     model_store, load_started = Store.from_config(cfg.storage), time.monotonic()
+    marks["model_load_at"] = time.time()
     model = build_model(cfg, model_store, device, rank, world)
+    marks["model_built_at"] = time.time()
     record_weights_loaded(store, cfg, rank, model_store.bytes_read, time.monotonic() - load_started,
                           bytes_cached=model_store.bytes_cached)
     apply_loss(model, t.loss, t.loss_chunk_tokens)  # train and evaluate both go through loss_sum
@@ -184,6 +188,7 @@ def train_loop_per_worker(config: dict) -> None:
 
     # --- resume ------------------------------------------------------------------
     state = ckpt.restore(checkpoint, model, optimizer, lora=cfg.lora is not None)
+    marks["restored_at"] = time.time()
     step, rows_consumed = state.step, state.rows_consumed
     if rows_consumed != start_rows:
         raise RuntimeError(f"checkpoint {checkpoint.path}: train_state changed while loading "
@@ -203,7 +208,7 @@ def train_loop_per_worker(config: dict) -> None:
                  "resuming" if step else "starting", step, steps_total)
         attempt = ckpt.record_event(store, cfg.run_uri, "worker_group_start", world_size=world,
                                     resumed_from_step=step if state.restored else None, padding_rows=padding_rows,
-                                    document_isolation=isolate)
+                                    document_isolation=isolate, **marks)
     heartbeat = Heartbeat(store, cfg.run_uri, attempt or "", enabled=rank == 0, world_size=world,
                           resumed_from_step=step)
     notices_seen: set = set()
@@ -228,6 +233,7 @@ def train_loop_per_worker(config: dict) -> None:
 
         with timer.phase("data"):
             micro = next(batches)
+        heartbeat.mark_first_batch()
         with timer.phase("compute"):
             global_tokens = all_reduce_sum(torch.tensor(float(sum(label_tokens(m[2]) for m in micro)),
                                                         dtype=torch.float64, device=device))

@@ -284,10 +284,15 @@ class Heartbeat:
 
         self.store, self.enabled, self.interval_s = store, enabled, interval_s
         self.uri = join(run_uri, "heartbeats", f"{attempt}.json")
-        self.state = {"attempt": attempt, "started_at": time.time(), "first_step": None, "first_step_at": None,
-                      "last_step": None, "last_step_at": None, **fields}
+        self.state = {"attempt": attempt, "started_at": time.time(), "first_batch_at": None, "first_step": None,
+                      "first_step_at": None, "last_step": None, "last_step_at": None, **fields}
         self._written = 0.0
         self._writer = BackgroundWriter("heartbeat write") if enabled else None
+
+    def mark_first_batch(self) -> None:
+        """When this start's first batch was in hand: the end of a restart's data phase."""
+        if self.enabled and self.state["first_batch_at"] is None:
+            self.state["first_batch_at"] = time.time()
 
     def beat(self, step: int, force: bool = False) -> None:
         if not self.enabled:
