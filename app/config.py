@@ -15,6 +15,8 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from app.train.batch import BatchPlan
+
 
 class ConfigError(ValueError):
     """A config problem, reported as one line naming the key or file at fault."""
@@ -335,15 +337,10 @@ class JobConfig(_Strict):
         if s.min_workers > s.max_workers:
             raise ValueError(f"scaling.min_workers ({s.min_workers}) > scaling.max_workers ({s.max_workers})")
         for world in range(s.min_workers, s.max_workers + 1):
-            if t.pad_uneven_batches and t.global_batch_size < world:
-                raise ValueError(f"training.global_batch_size {t.global_batch_size} < {world} workers "
-                                 f"(scaling.max_workers {s.max_workers}): some workers would get no rows")
-            if not t.pad_uneven_batches and t.global_batch_size % (world * t.micro_batch_size):
-                raise ValueError(
-                    f"training.global_batch_size {t.global_batch_size} cannot be split into "
-                    f"{world} workers x micro_batch_size {t.micro_batch_size} (world size {world} "
-                    f"is in scaling.min_workers..max_workers; or set training.pad_uneven_batches: true)"
-                )
+            if problem := BatchPlan(t.global_batch_size, world, t.micro_batch_size).problem(t.pad_uneven_batches):
+                raise ValueError(f"{problem} (scaling.max_workers {s.max_workers})" if t.pad_uneven_batches else
+                                 f"{problem} (world size {world} is in scaling.min_workers..max_workers; or set "
+                                 f"training.pad_uneven_batches: true)")
         if t.loss == "liger" and not s.use_gpu:
             raise ValueError("training.loss liger needs scaling.use_gpu: true (liger-kernel runs on GPU only); "
                              "use training.loss: chunked on CPU")

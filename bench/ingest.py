@@ -34,7 +34,8 @@ def stream_probe(data_uri: str, seed: int, rank: int, world: int, global_batch: 
                  steps: int) -> dict:
     """Runs inside a 1-CPU Ray actor: the loop's data path, pulled as fast as it goes."""
     from app.data.manifest import load_manifest, shard_uris
-    from app.data.stream import DataOrder, RankSlice, iter_rank_rows, iter_step_batches, micro_batches_per_step
+    from app.data.stream import DataOrder, RankSlice, iter_rank_rows, iter_step_batches
+    from app.train.batch import BatchPlan
     from app.storage import Store
 
     began = time.perf_counter()
@@ -44,7 +45,7 @@ def stream_probe(data_uri: str, seed: int, rank: int, world: int, global_batch: 
     fs, _ = store.resolve(data_uri)
     shards = [store.resolve(u)[1] for u in shard_uris(data_uri, manifest, "train")]
     my_slice = RankSlice(rank, world, global_batch)
-    accum = micro_batches_per_step(global_batch, world, micro_batch)
+    accum = BatchPlan(global_batch, world, micro_batch).accum
     # As training reads them by default: with position_ids where the dataset has them.
     rows = iter_rank_rows(order, shards, fs, my_slice, start=0, position_ids=bool(manifest.get("position_ids")))
     batches = iter_step_batches(rows, my_slice.rows_per_step, micro_batch, accum)

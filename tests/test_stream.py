@@ -7,8 +7,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from app.data.packing import IGNORE_INDEX
-from app.data.stream import (DataOrder, RankSlice, iter_rank_rows, iter_step_batches,
-                             micro_batches_per_step)
+from app.data.stream import DataOrder, RankSlice, iter_rank_rows, iter_step_batches
+from app.train.batch import BatchPlan
 from app.train.loop import lr_at, total_steps
 from app.config import TrainingConfig
 
@@ -65,7 +65,7 @@ def test_ray_data_stream_yields_each_ranks_rows_in_order(ray_cluster, tmp_path, 
     g, steps, micro = 8, 8, 2
     uris = _write_shards(tmp_path, ORDER)
     expected = ORDER.row_ids_at(start, start + steps * g).reshape(steps, g)
-    accum = micro_batches_per_step(g, world, micro)
+    accum = BatchPlan(g, world, micro).accum
     seen = []
     for rank in range(world):
         rank_slice = RankSlice(rank, world, g, origin=start)
@@ -92,3 +92,16 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
     assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
     assert lrs[-1] == pytest.approx(0.1, abs=1e-3)
     assert total_steps(type("C", (), {"training": TrainingConfig(epochs=2, global_batch_size=8)})(), 100) == 25
+
+
+def test_the_batch_plan_splits_every_step_the_same_way_on_every_rank():
+    plan = BatchPlan(10, 3, 2)
+    assert [plan.bounds(r) for r in range(3)] == [(0, 3), (3, 6), (6, 10)]
+    assert [plan.rows_per_step(r) for r in range(3)] == [3, 3, 4]
+    # Enough micro-batches for the largest share (4 rows): 2 of 2 rows; 2 padding slots in all.
+    assert (plan.accum, plan.padding_rows) == (2, 2)
+    assert plan.problem(pad_uneven_batches=True) is None
+    assert plan.problem(pad_uneven_batches=False) == \
+        "training.global_batch_size 10 cannot be split into 3 workers x micro_batch_size 2"
+    assert BatchPlan(12, 3, 2).problem(False) is None and BatchPlan(12, 3, 2).accum == 2
+    assert "some workers would get no rows" in BatchPlan(2, 3, 1).problem(True)

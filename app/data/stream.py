@@ -19,13 +19,13 @@ epoch order, and a filter that drops other workers' rows before they leave the r
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import numpy as np
 
 from app.data.packing import IGNORE_INDEX as IGNORE
+from app.train.batch import BatchPlan
 
 log = logging.getLogger(__name__)
 READ_CPUS = 0.25
@@ -104,8 +104,7 @@ class RankSlice:
 
     @property
     def bounds(self) -> tuple[int, int]:
-        g, w = self.global_batch, self.world_size
-        return self.rank * g // w, (self.rank + 1) * g // w
+        return BatchPlan(self.global_batch, self.world_size, 1).bounds(self.rank)
 
     @property
     def rows_per_step(self) -> int:
@@ -196,11 +195,6 @@ def iter_rank_rows(order: DataOrder, shard_uris: list[str], filesystem, rank_sli
             raise RuntimeError(f"epoch {epoch}: stream ended after {nxt} of {len(expected)} rows "
                                f"(dataset changed under the run?)")
         epoch += 1
-
-
-def micro_batches_per_step(global_batch: int, world_size: int, micro_batch: int) -> int:
-    """The same on every rank: enough micro-batches for the largest share, ceil(G/W)."""
-    return math.ceil(math.ceil(global_batch / world_size) / micro_batch)
 
 
 def iter_step_batches(rows: Iterator[tuple], rows_per_step: int, micro_batch: int, accum: int,

@@ -24,9 +24,10 @@ from app.config import JobConfig
 from app.data.manifest import load_manifest, shard_uris
 from app.data.packing import IGNORE_INDEX as IGNORE
 from app.data.stream import (DataOrder, RankSlice, document_isolation, iter_rank_rows, iter_step_batches,
-                             load_split_rows, micro_batches_per_step, prefetch_in_background)
+                             load_split_rows, prefetch_in_background)
 from app.storage import Store
 from app.train import checkpoint as ckpt
+from app.train.batch import BatchPlan
 from app.train.loss import apply_loss, loss_sum
 from app.train.metrics import Heartbeat, MetricsLog, StepTimer, format_progress, peak_memory
 from app.train.mfu import mfu, model_flops_per_token, peak_flops
@@ -143,11 +144,10 @@ def train_loop_per_worker(config: dict) -> None:
     # Before NCCL's first communicator, so its INIT/NET lines land where rank 0 can read them.
     nccl_probe = NcclProbe.start(device)
     t = cfg.training
-    accum = micro_batches_per_step(t.global_batch_size, world, t.micro_batch_size)
-    padding_rows = accum * world * t.micro_batch_size - t.global_batch_size
-    if padding_rows and not t.pad_uneven_batches:
-        raise ValueError(f"training.global_batch_size {t.global_batch_size} cannot be split into "
-                         f"{world} workers x micro_batch_size {t.micro_batch_size}")
+    plan = BatchPlan(t.global_batch_size, world, t.micro_batch_size)
+    if problem := plan.problem(t.pad_uneven_batches):
+        raise ValueError(problem)
+    accum, padding_rows = plan.accum, plan.padding_rows
 
     manifest = load_manifest(store, cfg.data.uri)
     lineage = build_lineage(cfg, manifest)  # recorded with every checkpoint: what it was trained from
