@@ -20,13 +20,12 @@ import tempfile
 from pathlib import Path
 from typing import Iterable, Optional
 
+from app.kube.fabric import FABRICS, TCPXO_ENV_PROFILE
+
 log = logging.getLogger("eft.nccl")
 
-# GKE's TCPXO installer writes the NCCL settings matching its plugin here (app/kube/fabric.py).
-TCPXO_ENV_PROFILE = "/usr/local/nvidia/lib64/nccl-env-profile.sh"
 # Networks that are a cloud fabric, by the name NCCL prints, and the fabric they belong to.
-FABRIC_NETWORKS = {"Libfabric": "efa", "AWS Libfabric": "efa", "GPUDirectTCPX": "tcpx", "FasTrak": "tcpxo",
-                   "GPUDirectTCPXO": "tcpxo", "IB": "ib"}
+FABRIC_NETWORKS = {net: name for name, fabric in FABRICS.items() for net in fabric.nccl_networks} | {"IB": "ib"}
 
 _PATTERNS = {
     "nccl_version": re.compile(r"NCCL version (\S+)"),
