@@ -28,6 +28,7 @@ from app.data.stream import (DataOrder, RankSlice, document_isolation, iter_rank
 from app.storage import Store
 from app.train import checkpoint as ckpt
 from app.train.batch import BatchPlan
+from app.train.dropout import apply_row_dropout
 from app.train.loss import apply_loss, loss_sum
 from app.train.metrics import Heartbeat, MetricsLog, StepTimer, format_progress, peak_memory
 from app.train.mfu import mfu, model_flops_per_token, peak_flops
@@ -174,6 +175,7 @@ def train_loop_per_worker(config: dict) -> None:
     record_weights_loaded(store, cfg, rank, model_store.bytes_read, time.monotonic() - load_started,
                           bytes_cached=model_store.bytes_cached)
     apply_loss(model, t.loss, t.loss_chunk_tokens)  # train and evaluate both go through loss_sum
+    row_seeds = apply_row_dropout(model, t.seed, note=rank == 0)  # masks keyed on rows, not ranks
     precision = resolve_precision(cfg, device)
     autocast_dtype = forward_autocast_dtype(model, precision.param_dtype)
     params = trainable_parameters(model)
@@ -228,7 +230,8 @@ def train_loop_per_worker(config: dict) -> None:
         lr = lr_at(step, steps_total, t)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        # Dropout masks are a function of (seed, step, rank): a resumed step redraws the same.
+        # Dropout masks come from RowSeeds (seed, step, row). The global RNG is seeded only for
+        # random ops outside them (none in the models we train): a resumed step redraws the same.
         torch.manual_seed(step_seed(t.seed, step, rank))
 
         with timer.phase("data"):
@@ -239,10 +242,10 @@ def train_loop_per_worker(config: dict) -> None:
                                                         dtype=torch.float64, device=device))
             tokens_acc += global_tokens
             scale = world / global_tokens.clamp(min=1)
-            for i, (_, inputs, labels, positions) in enumerate(micro):
+            for i, (row_ids, inputs, labels, positions) in enumerate(micro):
                 x = torch.as_tensor(inputs, dtype=torch.long, device=device)
                 y = torch.as_tensor(labels, dtype=torch.long, device=device)
-                with grad_sync_context(model, enabled=i == accum - 1):
+                with grad_sync_context(model, enabled=i == accum - 1), row_seeds.rows(row_ids, step):
                     loss = loss_sum(model, x, y, autocast_dtype, as_positions(positions, device))
                     (loss * scale).backward()
                 loss_acc += loss.detach().double()
