@@ -28,7 +28,9 @@ def make_cfg(name: str, **sections):
     tree = {
         "name": name,
         "model": {"uri": BASE},
-        "lora": {"r": 8, "alpha": 16, "target_modules": ALL_LINEAR},
+        # Dropout on: every trajectory test below (resume, 3 → 2 → 1 workers, DDP = FSDP2) holds with
+        # it, as the masks are keyed on rows, not ranks (app/train/dropout.py).
+        "lora": {"r": 8, "alpha": 16, "dropout": 0.1, "target_modules": ALL_LINEAR},
         "data": {"uri": DATA, "seq_len": 64, "validation_fraction": 0.05},
         "prepare": {"input_uri": "s3://eft/raw/train-tests.jsonl"},
         # A constant LR: a run extended from 6 to 12 steps must follow the 12-step run exactly.
@@ -335,7 +337,7 @@ def test_resharded_restore_loads_the_same_parameters_and_optimizer_state(reshard
 
 def test_training_continues_across_3_2_1_workers_on_the_same_trajectory(reshard_run, straight_run):
     """The global batch and the rows per step stay the same at 3 (padded), 2 and 1 workers;
-    losses match the 2-worker run up to the reduction order."""
+    losses match the 2-worker run up to the reduction order, LoRA dropout 0.1 included."""
     _, _, reference = straight_run
     summary, metrics, _, _ = reshard_run
     assert summary["steps"] == 12 and summary["world_sizes"] == [3, 2, 1]
