@@ -95,6 +95,7 @@ def main() -> None:
     parser.add_argument("--notice-s", type=float, default=30.0)
     args = parser.parse_args()
 
+    from app.summary import format_restart_phases
     from app.train.launch import run_training
 
     with local.serve_s3():
@@ -110,7 +111,7 @@ def main() -> None:
 
     rows = [[i["cause"], f"{i['world_size_before']}→{i['world_size_after']}", i["step_at_notice"],
              i.get("jit_checkpoint_step"), i["last_step_before"], i["resumed_from_step"], i["steps_lost"],
-             i["steps_recomputed"], i["recovery_s"]]
+             i["steps_recomputed"], i["recovery_s"], format_restart_phases(i.get("phases"))]
             for i in hit["interruptions"]]
     ratio = hit["wall_s"] / plain["wall_s"]
     late = hit.get("preemption_checkpoints") or [{}]
@@ -128,7 +129,8 @@ def main() -> None:
         f"hard kill **{hit['recovery_from_loss_s']['hard_kill']} s** "
         f"(the hard kill includes ~3 s of missed health checks before Ray declares the node dead).",
         markdown_table(["interruption", "world", "notice at step", "JIT checkpoint", "last step before",
-                        "resumed from", "steps lost", "steps recomputed", "last step → first step (s)"], rows),
+                        "resumed from", "steps lost", "steps recomputed", "last step → first step (s)",
+                        "restart phases (s)"], rows),
     ])
     save_result("elastic_recovery", {"uninterrupted": plain, "interrupted": hit, "overhead_ratio": ratio,
                                      "goodput": 1 / ratio, "notice_s": args.notice_s,
