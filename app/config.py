@@ -253,7 +253,8 @@ class CheckpointConfig(_Strict):
     num_to_keep: Optional[int] = Field(3, gt=0)
     async_upload: bool = True
     # Ask Ray Train every step whether a node of the run is being preempted (a cheap barrier);
-    # on the first notice save a just-in-time checkpoint and keep training until the node goes.
+    # on a notice, train on and save a just-in-time checkpoint as late as the deadline allows,
+    # then stop stepping until the node goes (app/train/preemption.py).
     on_preemption: bool = True
     # Resuming a run on another dataset (another data.uri, or the same one prepared anew) is
     # refused unless this says to continue on the new data from the checkpoint's step.

@@ -71,29 +71,38 @@ def format_restart_phases(phases: Optional[dict]) -> str:
 
 def build_interruptions(events: list[dict], heartbeats: list[dict]) -> list[dict]:
     """One record per restart of the worker group, from the events and heartbeats of the run.
-    Steps recomputed = last step reached before it − step resumed from; recovery = last
-    heartbeat before it → first step after it."""
+
+    steps_lost: steps done before the group went (its last heartbeat) that are not in the
+    checkpoint resumed from: work thrown away. steps_recomputed: those of them that a later
+    group ran again (fewer than lost only if the run ended first). Both come from the
+    heartbeats, not the metrics rows: a resumed group's rows supersede the voided ones in the
+    merged trajectory, and a group that dies never uploads the rows logged since its last
+    checkpoint (rank 0 sends them at checkpoints and every 30 s), which are exactly the steps
+    redone; rank 0's heartbeat marks the last step every second, and exactly at a just-in-time
+    save. recovery_s: last heartbeat before it → first step after it."""
     starts = [e for e in events if e["kind"] == "worker_group_start"]
     beats = {b["attempt"]: b for b in heartbeats}
     out = []
-    for before, after in zip(starts, starts[1:]):
+    for i, (before, after) in enumerate(zip(starts, starts[1:])):
         between = [e for e in events if before["time"] < e["time"] < after["time"]]
         notices = [e for e in between if e["kind"] == "preemption_notice"]
+        late_saves = [e for e in between if e["kind"] == "preemption_checkpoint"]
         prev, nxt = beats.get(before.get("id"), {}), beats.get(after.get("id"), {})
         resumed = after.get("resumed_from_step") or 0
         last = prev.get("last_step")
-        step_at_notice = notices[0]["step"] if notices else None
+        # How far the groups after it got: the steps past `resumed` they ran again.
+        reach = max([beats.get(s.get("id"), {}).get("last_step") or 0 for s in starts[i + 1:]] + [resumed])
         recovery = (nxt["first_step_at"] - prev["last_step_at"]
                     if nxt.get("first_step_at") and prev.get("last_step_at") else None)
         out.append({
             "cause": classify_interruption(between, before, after),
             "world_size_before": before["world_size"], "world_size_after": after["world_size"],
-            "step_at_notice": step_at_notice,
+            "step_at_notice": notices[0]["step"] if notices else None,
+            "jit_checkpoint_step": late_saves[0]["step"] if late_saves else None,
             "last_step_before": last,
             "resumed_from_step": resumed,
-            "steps_recomputed": max(last - resumed, 0) if last is not None else None,
-            # Steps done before the notice but not in the checkpoint resumed from: 0 with a JIT save.
-            "steps_lost": max(step_at_notice - resumed, 0) if step_at_notice is not None else None,
+            "steps_lost": max(last - resumed, 0) if last is not None else None,
+            "steps_recomputed": max(min(last, reach) - resumed, 0) if last is not None else None,
             "recovery_s": round(recovery, 2) if recovery is not None else None,
             "phases": build_restart_phases(between, after, prev, nxt),
         })
@@ -150,8 +159,13 @@ def build_summary(store: Store, cfg, status: str, wall_s: float, error: Optional
         "world_size_timeline": [{"time": s["time"], "world_size": s["world_size"],
                                  "from_step": s.get("resumed_from_step") or 0} for s in starts],
         "interruptions": build_interruptions(events, load_heartbeats(store, cfg.run_uri)),
-        "preemption_notices": [{"step": e["step"], "deadline_ms": e.get("deadline_ms"), "nodes": e.get("nodes")}
+        "preemption_notices": [{"step": e["step"], "deadline_ms": e.get("deadline_ms"), "nodes": e.get("nodes"),
+                                "plan": e.get("plan"), "fallback": e.get("fallback")}
                                for e in events if e["kind"] == "preemption_notice"],
+        # The late just-in-time saves: their step, and how long before the deadline they were up.
+        "preemption_checkpoints": [{"step": e["step"], "notice_step": e.get("notice_step"),
+                                    "seconds_left": e.get("seconds_left"), "time": e["time"]}
+                                   for e in events if e["kind"] == "preemption_checkpoint"],
         "resumed_from_steps": [s["resumed_from_step"] for s in starts if s.get("resumed_from_step") is not None],
         "nccl": latest_nccl(events),
         "checkpoints": checkpoints,
@@ -191,8 +205,8 @@ def render_summary(summary: dict) -> None:
     for i, item in enumerate(summary.get("interruptions", []), 1):
         rows.append((f"interruption {i}", f"{item['cause']}: world {item['world_size_before']}→"
                      f"{item['world_size_after']}, resumed at step {item['resumed_from_step']}, "
-                     f"recomputed {item['steps_recomputed']}, recovery {item['recovery_s']}s "
-                     f"({format_restart_phases(item.get('phases'))})"))
+                     f"lost {item['steps_lost']}, recomputed {item['steps_recomputed']}, "
+                     f"recovery {item['recovery_s']}s ({format_restart_phases(item.get('phases'))})"))
     if summary.get("nccl"):
         rows += format_nccl(summary["nccl"])
     if summary.get("error"):

@@ -1,15 +1,18 @@
 """Spot pre-emption on a real multi-node Ray cluster (one machine, `ray.cluster_utils.Cluster`):
-a drain notice with a deadline → just-in-time checkpoint; the node goes → the run continues on 2
-workers; a node comes back → it grows to 3; a node is killed without notice → the run resumes
-from the last periodic checkpoint on 2. The committed trajectory consumes every row of each
+a drain notice with a deadline → a just-in-time checkpoint as late as is safe, then the group
+drains; the node goes → the run continues on 2 workers from that checkpoint; a node comes back
+→ it grows to 3; a node is killed without notice → the run resumes from the last periodic
+checkpoint on 2. The committed trajectory consumes every row of each
 epoch exactly once, with the rows per step and the losses of an uninterrupted run."""
 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import build_tiny_dataset
@@ -17,8 +20,10 @@ from conftest import build_tiny_dataset
 from app.config import build_config
 from app.data.stream import DataOrder
 from app.storage import Store
+from app.summary import build_interruptions
 from app.train.checkpoint import load_events
 from app.train.metrics import load_metrics
+from app.train.preemption import PreemptionDrained, PreemptionWatcher
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE, DATA = "s3://eft/models/tiny-spot", "s3://eft/data/spot"
@@ -39,17 +44,27 @@ def spot_result(s3, ray_cluster, tmp_path_factory):
     return json.loads(out.read_text()), manifest
 
 
-def test_spot_reclaim_takes_a_jit_checkpoint_and_loses_no_steps(spot_result):
+def test_spot_reclaim_saves_late_drains_and_recomputes_nothing(spot_result):
+    """The notice leaves several steps before the deadline: training goes on, the just-in-time
+    checkpoint comes after the notice step and is up before the deadline, no step is taken
+    after it, and the restart resumes from it: nothing done before the node went is redone."""
     log, _ = spot_result
     summary = log["summary"]
     assert log["drain_accepted"] and summary["status"] == "succeeded" and summary["steps"] == STEPS
-    notice = summary["preemption_notices"][0]["step"]
-    assert 8 <= notice < STEPS  # mid-run
     first = summary["interruptions"][0]
-    assert first["step_at_notice"] == notice
-    assert first["cause"] == "preemption" and first["steps_lost"] == 0
-    assert log["jit_checkpoint_step"] == notice  # complete in storage before the node went
-    assert first["resumed_from_step"] >= first["step_at_notice"]
+    assert first["cause"] == "preemption" and first["steps_lost"] == 0 and first["steps_recomputed"] <= 1, first
+    (notice,) = summary["preemption_notices"]
+    assert 8 <= notice["step"] < STEPS and notice["plan"] == "late"  # mid-run, with room for a late save
+    (late,) = summary["preemption_checkpoints"]
+    assert late["notice_step"] == notice["step"] < late["step"] == log["jit_checkpoint_step"]
+    assert late["time"] < notice["deadline_ms"] / 1000 and late["seconds_left"] > 0
+    events = load_events(Store(), RUN)
+    assert [e["step"] for e in events if e["kind"] == "draining"] == [late["step"]]
+    assert first["step_at_notice"] == notice["step"]
+    assert first["jit_checkpoint_step"] == first["resumed_from_step"] == late["step"]
+    assert first["last_step_before"] == late["step"]  # drained: not one step after the save
+    print(f"notice at step {notice['step']}, late save at step {late['step']} {late['seconds_left']} s before "
+          f"the deadline (for information)")
     assert first["world_size_before"] == 3 and first["world_size_after"] == 2
 
 
@@ -115,3 +130,124 @@ def test_committed_trajectory_is_exactly_once_and_matches_the_uninterrupted_run(
         # at lr 3e-3 (at lr 1e-2 training is chaotic enough to amplify it to ~1e-2).
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-4), got["step"]
     assert log["summary"]["final_train_loss"] == pytest.approx(log["reference_summary"]["final_train_loss"], rel=1e-4)
+
+
+# --- the rule and the accounting alone: no Ray, a simulated clock ------------------------------
+
+
+class FakeClock:
+    def __init__(self, now: float = 1000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def notice(deadline_s, nodes=("node-c",)):
+    return SimpleNamespace(preempted_node_ids=list(nodes), preempted_ranks=[2],
+                           deadline_ms=None if deadline_s is None else int(deadline_s * 1000))
+
+
+def build_watcher(clock: FakeClock, infos: dict, gone_at: float = math.inf, save_s: float = 3.0):
+    """A watcher whose notice, per step, comes from `infos` ({from step: info}); the node goes
+    at `gone_at`. Returns it with the events it records and the flags each collective saw."""
+    events, collectives, state = [], [], {"step": 0}
+
+    def get_info():
+        return next((infos[s] for s in sorted(infos, reverse=True) if state["step"] >= s), None)
+
+    def agree(flags):
+        collectives.append((state["step"], list(flags)))
+        return list(flags)
+
+    watcher = PreemptionWatcher(get_info=get_info, agree=agree,
+                                record=lambda kind, **fields: events.append({"kind": kind, **fields}),
+                                node_alive=lambda node: clock() < gone_at, initial_save_s=save_s,
+                                clock=clock, sleep=clock.sleep)
+    return watcher, events, collectives, state
+
+
+def run_steps(watcher, clock, state, steps, step_s=1.0):
+    """Steps of `step_s` until the watcher asks for a save: (step, decision), or (None, None)."""
+    for step in range(1, steps + 1):
+        clock.now += step_s
+        state["step"] = step
+        decision = watcher.after_step(step)
+        if decision is not None:
+            return step, decision
+    return None, None
+
+
+def test_watcher_saves_at_the_last_safe_step_then_drains_until_the_node_goes():
+    clock = FakeClock()
+    # Steps of 1 s; the notice is seen after step 5 (t=1005) with the deadline at t=1025.
+    watcher, events, collectives, state = build_watcher(clock, {5: notice(1025.0)}, gone_at=1024.5)
+    step, decision = run_steps(watcher, clock, state, 40)
+    # Save when one more step (1 s) + the save (3 s) would leave under the margin (2 s): the
+    # first boundary with less than 6 s left is step 20 (t=1020, 5 s left).
+    assert (step, decision.drain) == (20, True)
+    assert [e["kind"] for e in events] == ["preemption_notice"] and events[0]["plan"] == "late"
+    assert events[0]["step"] == 5 and events[0]["seconds_left"] == 20
+    # One collective per step while the notice is pending, none before it.
+    assert [s for s, _ in collectives] == list(range(5, 21))
+    clock.now += 3.0  # the save, as estimated: up 2 s before the deadline
+    watcher.record_save(3.0, uploaded=True)
+    with pytest.raises(PreemptionDrained, match="node is gone"):
+        watcher.drain(step)
+    assert clock() == pytest.approx(1024.5, abs=0.5)  # waited for the node, not the deadline + grace
+    checkpoint, draining = events[1:]
+    assert checkpoint["kind"] == "preemption_checkpoint" and checkpoint["step"] == 20
+    assert checkpoint["notice_step"] == 5 and checkpoint["seconds_left"] == 2.0
+    assert draining["kind"] == "draining" and draining["nodes"] == ["node-c"]
+
+
+def test_watcher_falls_back_to_saving_at_once_when_the_deadline_is_too_close():
+    for deadline, reason in ((1008.0, "deadline in 3.0 s"), (None, "no deadline")):
+        clock = FakeClock()
+        watcher, events, _, state = build_watcher(clock, {5: notice(deadline)})
+        step, decision = run_steps(watcher, clock, state, 40)
+        assert (step, decision.drain) == (5, False), deadline  # at the notice step, training on
+        assert events[0]["plan"] == "now" and events[0]["fallback"].startswith(reason)
+        assert run_steps(watcher, clock, state, 40) == (None, None)  # once per notice
+
+
+def test_watcher_agrees_with_the_most_cautious_rank_and_learns_the_save_time():
+    clock = FakeClock()
+    watcher, events, collectives, state = build_watcher(clock, {5: notice(1060.0)})
+    watcher.agree = lambda flags: [False, True]  # another rank's clock says: now
+    step, decision = run_steps(watcher, clock, state, 40)
+    assert (step, decision.drain) == (5, True)
+    # A timed save of 30 s: a notice 31 s ahead no longer leaves room, so it falls back.
+    clock = FakeClock()
+    watcher, events, _, state = build_watcher(clock, {5: notice(1036.0)})
+    watcher.record_save(30.0, uploaded=True)
+    assert run_steps(watcher, clock, state, 40)[0] == 5 and events[0]["plan"] == "now"
+    # An asynchronous save's blocked time only raises the estimate, never lowers it.
+    watcher.record_save(0.5, uploaded=False)
+    assert watcher.save_s == 30.0
+
+
+def test_interruption_accounting_counts_steps_done_but_not_in_the_checkpoint():
+    def start(t, world, resumed, attempt):
+        return {"kind": "worker_group_start", "time": t, "id": attempt, "world_size": world,
+                "resumed_from_step": resumed}
+
+    def beat(attempt, started, first, last):
+        return {"attempt": attempt, "started_at": started, "first_step": first, "first_step_at": started + 5,
+                "last_step": last, "last_step_at": started + 50}
+
+    events = [start(0, 3, None, "a"), {"kind": "preemption_notice", "time": 20, "step": 10},
+              {"kind": "preemption_checkpoint", "time": 30, "step": 15},
+              start(100, 2, 15, "b"),  # late save, drained: resumes from the last step reached
+              {"kind": "preemption_notice", "time": 120, "step": 30},
+              start(200, 2, 30, "c"),  # saved at the notice, trained on to 36: 6 redone
+              start(300, 2, 40, "d")]  # a kill at 47 after the save at 40; the run stopped at 42
+    beats = [beat("a", 0, 1, 15), beat("b", 100, 16, 36), beat("c", 200, 31, 47), beat("d", 300, 41, 42)]
+    late, at_notice, kill = build_interruptions(events, beats)
+    assert (late["cause"], late["jit_checkpoint_step"], late["steps_lost"], late["steps_recomputed"]) == \
+        ("preemption", 15, 0, 0)
+    assert (at_notice["step_at_notice"], at_notice["steps_lost"], at_notice["steps_recomputed"]) == (30, 6, 6)
+    assert (kill["cause"], kill["steps_lost"], kill["steps_recomputed"]) == ("worker_failure", 7, 2)

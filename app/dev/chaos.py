@@ -126,19 +126,26 @@ class RunWatcher:
 
     def wait_jit_checkpoint(self, after: float, timeout_s: float = 60) -> int:
         """Block until the run has recorded a pre-emption notice (one recorded after `after`)
-        and the just-in-time checkpoint at the notice's step is complete in storage; returns
-        that step. TimeoutError, saying which of the two is missing, if not within `timeout_s`."""
+        and its just-in-time checkpoint is complete in storage; returns that checkpoint's step:
+        the late save's (`preemption_checkpoint` event), or the notice's own step when the
+        notice fell back to saving at once. TimeoutError, saying what is missing, if not
+        within `timeout_s`."""
         deadline = time.time() + timeout_s
-        step = None
+        notice = step = None
         while time.time() < deadline and self.alive():
-            if step is None:
-                notices = [e for e in self.events() if e["kind"] == "preemption_notice" and e["time"] > after]
-                step = notices[0]["step"] if notices else None
+            events = [e for e in self.events() if e["time"] > after]
+            notice = notice or next((e for e in events if e["kind"] == "preemption_notice"), None)
+            if notice is not None and notice.get("plan") == "now":
+                step = notice["step"]
+            elif notice is not None:
+                late = next((e for e in events if e["kind"] == "preemption_checkpoint"), None)
+                step = late["step"] if late else None
             if step is not None and is_complete(self.store, join(self.run_uri, checkpoint_dir_name(step))):
                 return step
             time.sleep(0.2)
-        missing = ("no pre-emption notice recorded" if step is None
-                   else f"the notice at step {step} but no complete just-in-time checkpoint at that step")
+        missing = ("no pre-emption notice recorded" if notice is None
+                   else f"the notice at step {notice['step']} but no complete just-in-time checkpoint"
+                   + (f" (step {step})" if step is not None else ""))
         ended = "" if self.alive() else " (the run ended)"
         raise TimeoutError(f"{self.run_uri}: {missing} within {timeout_s}s of the notice{ended}")
 

@@ -33,6 +33,7 @@ from app.train.loss import apply_loss, loss_sum
 from app.train.metrics import Heartbeat, MetricsLog, StepTimer, format_progress, peak_memory
 from app.train.mfu import mfu, model_flops_per_token, peak_flops
 from app.train.nccl import NcclProbe
+from app.train.preemption import build_preemption_watcher, state_bytes
 from app.train.resume import build_lineage
 from app.train.sinks import MlflowSink, TensorBoardSink, flatten
 from app.train.model import build_model, count_parameters, resolve_precision, trainable_parameters
@@ -213,7 +214,8 @@ def train_loop_per_worker(config: dict) -> None:
                                     document_isolation=isolate, **marks)
     heartbeat = Heartbeat(store, cfg.run_uri, attempt or "", enabled=rank == 0, world_size=world,
                           resumed_from_step=step)
-    notices_seen: set = set()
+    watcher = (build_preemption_watcher(store, cfg.run_uri, rank, device, state_bytes(params))
+               if cfg.checkpoint.on_preemption else None)
 
     timer = StepTimer(steps_total, start_step=step, device=device)
     tokens_per_step = t.global_batch_size * cfg.data.seq_len
@@ -288,16 +290,22 @@ def train_loop_per_worker(config: dict) -> None:
         if nccl_probe and rank == 0 and step == timer.start_step + 1:
             nccl_probe.report(store, cfg.run_uri, nodes=max(world // ctx.get_local_world_size(), 1))
 
-        just_in_time = cfg.checkpoint.on_preemption and check_preemption(notices_seen, store, cfg.run_uri, step, rank)
+        just_in_time = watcher.after_step(step) if watcher is not None else None
         if just_in_time or step % cfg.checkpoint.save_every_steps == 0 or step == steps_total:
+            # A just-in-time save waits for its upload: the group drains only once it is up.
+            wait_for_upload = just_in_time is not None or not cfg.checkpoint.async_upload
             with timer.phase("checkpoint"):
+                began = time.monotonic()
                 # Lines first: a checkpoint never exists without the metrics up to its step.
                 metrics.flush()
                 ckpt.save(cfg, store, model, optimizer, step=step, rows_consumed=rows_consumed, world_size=world,
-                          metrics=metrics.latest(), rank=rank, lineage=lineage)
+                          metrics=metrics.latest(), rank=rank, lineage=lineage, wait_for_upload=wait_for_upload)
+            if watcher is not None:
+                watcher.record_save(time.monotonic() - began, uploaded=wait_for_upload)
             heartbeat.beat(step, force=True)
-            if just_in_time and rank == 0:
-                log.info("pre-emption notice: just-in-time checkpoint at step %d; training on", step)
+            if just_in_time and just_in_time.drain and step < steps_total:
+                heartbeat.flush()
+                watcher.drain(step)  # raises once the node is gone: Ray restarts from this checkpoint
 
     # --- report ------------------------------------------------------------------
     # The final step always saves (above), which reports its metrics and checkpoint to Ray.
@@ -307,24 +315,6 @@ def train_loop_per_worker(config: dict) -> None:
         sink.finish()
     if rank == 0:
         log.info("done: %d steps, %d rows consumed", step, rows_consumed)
-
-
-def check_preemption(seen: set, store: Store, run_uri: str, step: int, rank: int) -> bool:
-    """True once per new pre-emption notice. A barrier: every rank calls it every step, and all
-    get the same answer, so all of them take the just-in-time checkpoint together."""
-    import ray.train
-
-    info = ray.train.get_preemption_info()
-    if info is None:
-        return False
-    key = tuple(info.preempted_node_ids)
-    if key in seen:
-        return False
-    seen.add(key)
-    if rank == 0:
-        ckpt.record_event(store, run_uri, "preemption_notice", step=step, deadline_ms=info.deadline_ms,
-                          nodes=list(key), ranks=info.preempted_ranks)
-    return True
 
 
 def gather_row_ids(micro, world: int, device) -> list[int]:

@@ -57,12 +57,17 @@ def run_scenario(cluster: chaos.LocalCluster, out_path: str, base_uri: str, data
     run = chaos.RunWatcher(store, cfg.run_uri, alive=thread.is_alive)
 
     log = {"notice_after_step": run.wait_step(8)}
-    notice_s = 20
+    # Long enough for several steps between the notice and the late just-in-time save.
+    notice_s = 10
     noticed_at = time.time()
     log["drain_accepted"] = cluster.preempt(cluster.nodes[2], deadline_s=notice_s)
-    # The notice lands and the just-in-time checkpoint is taken while training goes on; the
-    # node goes once that checkpoint is complete in storage (it must be, before the deadline).
+    log["deadline"] = noticed_at + notice_s
+    # The notice lands and training goes on; the just-in-time checkpoint is taken as late as
+    # is safe (complete in storage before the deadline) and the group drains. The node goes
+    # just before its deadline, as a reclaimed spot node does (a second before it, so that
+    # the node's loss, not Ray Train's own deadline, ends the group).
     log["jit_checkpoint_step"] = run.wait_jit_checkpoint(after=noticed_at, timeout_s=notice_s)
+    time.sleep(max(log["deadline"] - 1.0 - time.time(), 0.0))
     log["removed_at"] = time.time()
     cluster.remove(cluster.nodes[2], graceful=True)
     # The run must go on at 2 workers before capacity comes back and it grows to 3 again.
