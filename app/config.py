@@ -256,6 +256,11 @@ class CheckpointConfig(_Strict):
     # on a notice, train on and save a just-in-time checkpoint as late as the deadline allows,
     # then stop stepping until the node goes (app/train/preemption.py).
     on_preemption: bool = True
+    # Before an elastic run grows (Ray Train restarts the group bigger), save at the next step
+    # boundary, waiting at most before_grow_timeout_s, so the grow recomputes no step
+    # (app/train/grow.py). Off: the bigger group resumes from the latest periodic checkpoint.
+    before_grow: bool = True
+    before_grow_timeout_s: float = Field(120.0, gt=0)
     # Resuming a run on another dataset (another data.uri, or the same one prepared anew) is
     # refused unless this says to continue on the new data from the checkpoint's step.
     resume_on_new_data: bool = False

@@ -74,6 +74,16 @@ def test_run_shrinks_grows_back_and_survives_a_hard_kill(spot_result):
     assert summary["world_sizes"] == [3, 2, 3, 2]
     assert [i["cause"] for i in summary["interruptions"]] == ["preemption", "resize", "worker_failure"]
     assert all(i["steps_recomputed"] <= 10 for i in summary["interruptions"])  # ≤ the checkpoint interval
+    # The grow: a checkpoint at the next step boundary before Ray restarts the group bigger, the
+    # group stops stepping until then, and the bigger group resumes from it.
+    grow = summary["interruptions"][1]
+    (saved,) = [e for e in load_events(Store(), RUN) if e["kind"] == "grow_checkpoint"]
+    assert (saved["from_workers"], saved["to_workers"]) == (2, 3)
+    assert grow["resumed_from_step"] == saved["step"] == grow["last_step_before"], (grow, saved)
+    assert grow["steps_recomputed"] <= 1 and grow["steps_lost"] == 0
+    # Every restart's phases add up to its recovery time.
+    for item in summary["interruptions"]:
+        assert sum(item["phases"].values()) == pytest.approx(item["recovery_s"], abs=0.05), item
     kill = summary["interruptions"][2]
     # No notice, so no just-in-time save: it resumes from the last checkpoint before the kill.
     assert kill["step_at_notice"] is None and kill["resumed_from_step"] <= kill["last_step_before"]

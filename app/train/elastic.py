@@ -117,8 +117,8 @@ class ControllerEvents:
     A launch that fails (a worker-group start timeout, say) shows as a failure out of
     SCHEDULING. Recording never raises: it must not affect the run."""
 
-    def __init__(self, store, run_uri: str):
-        self.store, self.run_uri = store, run_uri
+    def __init__(self, store, run_uri: str, cfg=None):
+        self.store, self.run_uri, self.cfg = store, run_uri, cfg
 
     @classmethod
     def from_run_context(cls, train_run_context) -> "Optional[ControllerEvents]":
@@ -129,7 +129,7 @@ class ControllerEvents:
         if tree is None:
             return None
         cfg = JobConfig.model_validate(tree)
-        return cls(Store.from_config(cfg.storage), cfg.run_uri)
+        return cls(Store.from_config(cfg.storage), cfg.run_uri, cfg)
 
     def record(self, kind: str, **fields) -> None:
         from app.train.checkpoint import record_event
@@ -162,6 +162,9 @@ def build_refresh_callback():
             self.events: Optional[ControllerEvents] = None
             self.resources_per_worker: dict = {}
             self.pending_decision: Optional[str] = None
+            # The size of the group running now; None while none runs (before the first start,
+            # after a failure): a grow can only checkpoint a group that is still up.
+            self.running_workers: Optional[int] = None
 
         def after_controller_start(self, train_run_context) -> None:
             try:
@@ -173,6 +176,7 @@ def build_refresh_callback():
                 log.warning("controller events off: %s", err)
 
         def on_controller_start_worker_group(self, *, scaling_config, num_workers: int):
+            self.running_workers = num_workers
             if self.events is not None:
                 try:
                     capacity = live_worker_capacity(self.resources_per_worker)
@@ -182,7 +186,24 @@ def build_refresh_callback():
                                    max_workers=scaling_config.max_workers)
             return None
 
+        def before_controller_execute_resize_decision(self, resize_decision) -> None:
+            """Before Ray Train shuts a healthy group down to start a bigger one: a checkpoint
+            at the group's next step boundary, so the bigger group recomputes nothing."""
+            to_workers, running = getattr(resize_decision, "num_workers", None), self.running_workers
+            events = self.events
+            if events is None or not events.cfg.checkpoint.before_grow or running is None or \
+                    to_workers is None or to_workers <= running:
+                return
+            from app.train.grow import checkpoint_before_grow
+
+            try:
+                checkpoint_before_grow(events.store, events.run_uri, running, to_workers,
+                                       events.cfg.checkpoint.before_grow_timeout_s, record=events.record)
+            except Exception as err:  # the grow goes ahead from the latest checkpoint, as before
+                log.warning("grow %d → %d: no checkpoint asked for (%s)", running, to_workers, err)
+
         def before_controller_execute_failure_decision(self, failure_decision) -> None:
+            self.running_workers = None
             self.pending_decision = getattr(failure_decision, "value", str(failure_decision))
             settle_node_view()
             refresh_autoscaling_view()

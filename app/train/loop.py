@@ -29,6 +29,7 @@ from app.storage import Store
 from app.train import checkpoint as ckpt
 from app.train.batch import BatchPlan
 from app.train.dropout import apply_row_dropout
+from app.train.grow import build_grow_requests
 from app.train.loss import apply_loss, loss_sum
 from app.train.metrics import Heartbeat, MetricsLog, StepTimer, format_progress, peak_memory
 from app.train.mfu import mfu, model_flops_per_token, peak_flops
@@ -216,6 +217,8 @@ def train_loop_per_worker(config: dict) -> None:
                           resumed_from_step=step)
     watcher = (build_preemption_watcher(store, cfg.run_uri, rank, device, state_bytes(params))
                if cfg.checkpoint.on_preemption else None)
+    elastic = cfg.scaling.min_workers < cfg.scaling.max_workers
+    grow = build_grow_requests(store, cfg.run_uri, rank) if elastic and cfg.checkpoint.before_grow else None
 
     timer = StepTimer(steps_total, start_step=step, device=device)
     tokens_per_step = t.global_batch_size * cfg.data.seq_len
@@ -291,9 +294,12 @@ def train_loop_per_worker(config: dict) -> None:
             nccl_probe.report(store, cfg.run_uri, nodes=max(world // ctx.get_local_world_size(), 1))
 
         just_in_time = watcher.after_step(step) if watcher is not None else None
-        if just_in_time or step % cfg.checkpoint.save_every_steps == 0 or step == steps_total:
-            # A just-in-time save waits for its upload: the group drains only once it is up.
-            wait_for_upload = just_in_time is not None or not cfg.checkpoint.async_upload
+        before_grow = grow.after_step(step) if grow is not None else None
+        if just_in_time or before_grow or step % cfg.checkpoint.save_every_steps == 0 or step == steps_total:
+            # A just-in-time or pre-grow save waits for its upload: the group drains only once it is up.
+            wait_for_upload = just_in_time is not None or before_grow is not None or not cfg.checkpoint.async_upload
+            if before_grow:
+                grow.acknowledge_when_up(before_grow, step, cfg.checkpoint.before_grow_timeout_s)
             with timer.phase("checkpoint"):
                 began = time.monotonic()
                 # Lines first: a checkpoint never exists without the metrics up to its step.
@@ -306,9 +312,14 @@ def train_loop_per_worker(config: dict) -> None:
             if just_in_time and just_in_time.drain and step < steps_total:
                 heartbeat.flush()
                 watcher.drain(step)  # raises once the node is gone: Ray restarts from this checkpoint
+            if before_grow and step < steps_total:
+                heartbeat.flush()
+                grow.drain(cfg.checkpoint.before_grow_timeout_s)  # Ray restarts the group bigger
 
     # --- report ------------------------------------------------------------------
     # The final step always saves (above), which reports its metrics and checkpoint to Ray.
+    if grow is not None:
+        grow.stop()
     metrics.flush()
     heartbeat.flush()
     for sink in sinks:
