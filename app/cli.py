@@ -95,7 +95,7 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from app.summary import render_summary
+    from app.report import render_summary
     from app.train.launch import run_training
 
     summary = run_training(_load(args))

@@ -15,10 +15,10 @@ import time
 from typing import Optional
 
 from app.storage import Store, join
-from app.summary import (SUMMARY_FILE, build_interruptions, format_nccl, format_restart_phases, latest_nccl,
-                         load_summary)
+from app.train.summary import SUMMARY_FILE, build_interruptions, latest_nccl, load_summary
 from app.train import checkpoint as ckpt
-from app.train.metrics import format_duration, load_heartbeats, load_metrics
+from app.train import records
+from app.train.metrics import format_duration, load_metrics
 from app.train.resume import CONFIG_FILE, load_run_config
 
 REPORT_DIR = "report"
@@ -39,7 +39,7 @@ def load_run(store: Store, run_uri: str) -> dict:
     store.check_reachable(run_uri)
     config = load_run_config(store, run_uri)
     metrics = load_metrics(store, run_uri)
-    events = ckpt.load_events(store, run_uri)
+    events = records.load_events(store, run_uri)
     if config is None and not metrics and not events:
         raise ValueError(f"{run_uri}: no run here (no {CONFIG_FILE}, metrics or events/)")
     has_summary = store.exists(join(run_uri, SUMMARY_FILE))
@@ -48,7 +48,7 @@ def load_run(store: Store, run_uri: str) -> dict:
         "config": config or {},
         "metrics": metrics,
         "events": events,
-        "heartbeats": load_heartbeats(store, run_uri),
+        "heartbeats": records.load_heartbeats(store, run_uri),
         "checkpoints": ckpt.list_checkpoints(store, run_uri),
         "summary": load_summary(store, run_uri) if has_summary else None,
     }
@@ -216,6 +216,18 @@ def format_timeline(status: dict) -> str:
     return " → ".join(f"{w['world_size']} (from step {w['from_step']})" for w in status["world_size_timeline"]) or "-"
 
 
+def format_nccl(nccl: dict) -> list[tuple[str, str]]:
+    rows = [("NCCL network", f"{nccl.get('network') or 'unknown'} (fabric {nccl.get('fabric') or 'none'}, "
+                             f"{nccl.get('nodes')} node(s), GPUDirect RDMA {'yes' if nccl.get('gdr') else 'no'})")]
+    return rows + [("NCCL warning", nccl["fallback"])] if nccl.get("fallback") else rows
+
+
+def format_restart_phases(phases: Optional[dict]) -> str:
+    if not phases:
+        return "-"
+    return ", ".join(f"{name.removesuffix('_s').replace('_', ' ')} {value:.1f}" for name, value in phases.items())
+
+
 def build_status_rows(status: dict) -> list[tuple[str, str]]:
     """(label, text) pairs shared by the terminal table and the Markdown page."""
     train, val = format_losses(status)
@@ -344,3 +356,36 @@ def save_report(store: Store, run: dict, out_uri: Optional[str] = None, now: Opt
     store.write_bytes(png_uri, render_png(build_loss_figure(run, status)))
     store.write_text(md_uri, render_markdown(status, has_val))
     return [png_uri, md_uri]
+
+
+def render_summary(summary: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"run {summary['name']}: {summary['status']}", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    fmt = lambda v: f"{v:.4f}" if isinstance(v, float) else str(v)  # noqa: E731
+    rows = [
+        ("steps", f"{summary['steps']} / {summary['target_steps']}"),
+        ("tokens", f"{summary['tokens']:,}"),
+        ("train loss", f"{fmt(summary['first_train_loss'])} → {fmt(summary['final_train_loss'])}"),
+        ("val loss", f"{fmt(summary['first_val_loss'])} → {fmt(summary['final_val_loss'])}"),
+        ("tokens/s", f"{summary['tokens_per_s']:,.0f}" if summary["tokens_per_s"] else "-"),
+        ("restarts", f"{summary['restarts']} (driver {summary['driver_restarts']})"),
+        ("world sizes", ", ".join(map(str, summary["world_sizes"]))),
+        ("latest checkpoint", str(summary["latest_checkpoint"])),
+        ("wall time", f"{summary['wall_s']:.1f}s"),
+    ]
+    for i, item in enumerate(summary.get("interruptions", []), 1):
+        rows.append((f"interruption {i}", f"{item['cause']}: world {item['world_size_before']}→"
+                     f"{item['world_size_after']}, resumed at step {item['resumed_from_step']}, "
+                     f"lost {item['steps_lost']}, recomputed {item['steps_recomputed']}, "
+                     f"recovery {item['recovery_s']}s ({format_restart_phases(item.get('phases'))})"))
+    if summary.get("nccl"):
+        rows += format_nccl(summary["nccl"])
+    if summary.get("error"):
+        rows.append(("error", summary["error"]))
+    for key, value in rows:
+        table.add_row(key, value)
+    Console().print(table)

@@ -95,7 +95,7 @@ def main() -> None:
     parser.add_argument("--notice-s", type=float, default=30.0)
     args = parser.parse_args()
 
-    from app.summary import format_restart_phases
+    from app.report import format_restart_phases
     from app.train.launch import run_training
 
     with local.serve_s3():

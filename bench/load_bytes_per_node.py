@@ -58,7 +58,7 @@ def load_once(cfg, slot: str) -> dict:
     from ray.train.torch import TorchTrainer
 
     from app.storage import Store
-    from app.train.checkpoint import load_events
+    from app.train.records import load_events
 
     store = Store()
     fs, root = store.resolve(cfg.storage.root_uri)

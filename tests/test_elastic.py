@@ -20,8 +20,8 @@ from conftest import build_tiny_dataset
 from app.config import build_config
 from app.data.stream import DataOrder
 from app.storage import Store
-from app.summary import build_interruptions
-from app.train.checkpoint import load_events
+from app.train.summary import build_interruptions
+from app.train.records import load_events
 from app.train.metrics import load_metrics
 from app.train.preemption import PreemptionDrained, PreemptionWatcher
 

@@ -18,7 +18,7 @@ from app import kube
 from app.config import load_config
 from app.kube.fabric import EFA_RESOURCE, FABRIC_HOST_PATHS
 from app.storage import Store
-from app.train import checkpoint as ckpt
+from app.train import records
 from app.train import nccl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -270,7 +270,7 @@ def test_rank_0_records_and_warns_about_a_fallback(s3, tmp_path, caplog, monkeyp
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert any("libfabric found no EFA device" in w for w in warnings), warnings
     assert any("network Socket via plugin Libfabric 1.13.2-aws" in r.getMessage() for r in caplog.records)
-    (event,) = [e for e in ckpt.load_events(store, run_uri) if e["kind"] == "nccl_transport"]
+    (event,) = [e for e in records.load_events(store, run_uri) if e["kind"] == "nccl_transport"]
     assert event["fallback"] == record["fallback"] and event["nodes"] == 2
     # `eft status` / `eft report` show it while the run goes on.
     from app.report import build_status, build_status_rows, load_run

@@ -15,9 +15,11 @@ from conftest import build_tiny_dataset
 from app.config import build_config
 from app.dev.faults import SlowDownProxy, TcpProxy
 from app.storage import Store, join
-from app.train.checkpoint import checkpoint_dir_name, is_complete, load_events
+from app.train.checkpoint import checkpoint_dir_name, is_complete
+from app.train.records import load_events
 from app.train.launch import run_training
-from app.train.metrics import load_heartbeats, load_metrics
+from app.train.metrics import load_metrics
+from app.train.records import load_heartbeats
 from app.train.sinks import MlflowSink
 
 BASE = "s3://eft/models/tiny-faults"

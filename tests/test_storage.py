@@ -127,7 +127,7 @@ def test_s3_writes_ride_out_an_outage_even_after_pickling(s3, caplog):
 
         # An event written while storage is away: the caller goes on after `wait_s`, the write
         # goes on in the background and lands once the store is back.
-        from app.train.checkpoint import load_events, record_event
+        from app.train.records import load_events, record_event
 
         proxy.refuse_for(600)
         with caplog.at_level("WARNING", logger="eft.records"):
@@ -164,8 +164,9 @@ def test_throttled_requests_are_retried_by_pyarrow_and_boto3(s3):
 def test_event_heartbeat_and_metrics_writes_degrade_to_a_warning(tmp_path, caplog):
     """Storage refusing writes (here: the run's path is under a file) costs warnings, not the
     run; the metric rows stay queued and go up whole once storage takes them again."""
-    from app.train.checkpoint import load_events, record_event
-    from app.train.metrics import Heartbeat, MetricsLog, load_metrics
+    from app.train.records import load_events, record_event
+    from app.train.metrics import MetricsLog, load_metrics
+    from app.train.records import Heartbeat
 
     blocker = tmp_path / "runs"
     blocker.write_text("not a directory")

@@ -15,9 +15,11 @@ from conftest import build_tiny_dataset
 from app.config import build_config
 from app.data.stream import DataOrder
 from app.storage import Store, join
-from app.train.checkpoint import list_checkpoints, load_events
+from app.train.checkpoint import list_checkpoints
+from app.train.records import load_events
 from app.train.launch import run_training
-from app.train.metrics import load_heartbeats, load_metrics
+from app.train.metrics import load_metrics
+from app.train.records import load_heartbeats
 
 BASE = "s3://eft/models/tiny-train"
 DATA = "s3://eft/data/train-tests"

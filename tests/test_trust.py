@@ -22,6 +22,7 @@ from app.dev.demo import DemoBucketError, check_demo_bucket, is_loopback_endpoin
 from app.export import ExportError, export_run
 from app.storage import Store, join
 from app.train import checkpoint as ckpt
+from app.train import records
 from app.train.launch import run_training
 from app.train.metrics import load_metrics
 from app.train.resume import ResumeError, build_identity, check_resume, dataset_fingerprint
@@ -148,7 +149,7 @@ def test_looking_at_a_run_never_unpickles_what_the_bucket_holds(trained, tmp_pat
 def test_resume_with_another_identity_is_refused_naming_the_keys(trained):
     cfg, _ = trained
     store = Store()
-    before = len(ckpt.load_events(store, cfg.run_uri))
+    before = len(records.load_events(store, cfg.run_uri))
     stored_config = store.read_text(join(cfg.run_uri, "config.yaml"))
     with pytest.raises(ResumeError) as info:
         run_training(make_cfg("trusted", lora={"r": 8}, training={"max_steps": 3}))
@@ -156,7 +157,7 @@ def test_resume_with_another_identity_is_refused_naming_the_keys(trained):
     assert message.startswith(f"run {cfg.run_uri} cannot resume with this config: lora.r 4 → 8 (per ")
     assert "checkpoint-00000002" in message and "\n" not in message
     # Refused before the driver wrote anything: no event, the stored config untouched.
-    assert len(ckpt.load_events(store, cfg.run_uri)) == before
+    assert len(records.load_events(store, cfg.run_uri)) == before
     assert store.read_text(join(cfg.run_uri, "config.yaml")) == stored_config
 
     refusals = {

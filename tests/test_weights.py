@@ -97,7 +97,7 @@ def test_each_node_reads_its_share_and_the_model_equals_from_pretrained(s3, tmp_
     equals from_pretrained's exactly."""
     from app.config import build_config
     from app.dev.tiny import build_corpus, save_tiny_base
-    from app.train.checkpoint import load_events
+    from app.train.records import load_events
 
     base = "s3://eft/models/tiny-multinode"
     save_tiny_base(Store(), base, texts=build_corpus(max_docs=40), hidden_size=256, num_layers=4, num_heads=4,

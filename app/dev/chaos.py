@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from app.storage import Store, join
-from app.train.checkpoint import checkpoint_dir_name, is_complete, load_events
-from app.train.metrics import load_heartbeats
+from app.train.checkpoint import checkpoint_dir_name, is_complete
+from app.train.records import load_events
+from app.train.records import load_heartbeats
 
 SLOT = "trainer_slot"  # one per simulated node, so each training worker lands on its own node
 # A node killed outright is declared dead after missed health checks: 3 x 1 s instead of

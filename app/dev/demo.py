@@ -156,7 +156,7 @@ def run_demo(config_path: Optional[str] = None, state_dir: Path = Path(".eft"), 
     from app.data.manifest import read_committed_manifest
     from app.data.prepare import prepare_dataset
     from app.export import export_run
-    from app.summary import render_summary
+    from app.report import render_summary
     from app.train.launch import run_training
 
     overrides = [f"training.max_steps={max_steps}"] if max_steps else []

@@ -20,7 +20,6 @@ import json
 import shutil
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -253,37 +252,3 @@ def restore(checkpoint, model, optimizer, lora: bool) -> RestoredState:
     set_model_state_dict(model, app_state["model"], options=opts)
     set_optimizer_state_dict(model, optimizer, app_state["optim"], options=opts)
     return RestoredState(int(train_state["step"]), int(train_state["rows_consumed"]), True)
-
-
-def record_event(store: Store, run_uri: str, kind: str, wait_s: float = 10.0, **fields) -> str:
-    """One object per event (S3 has no append): `<run>/events/<time>-<id>.json`. Returns the id.
-    Events are the run's diary, not its state: a write storage refuses (past the store's own
-    retries) is a warning, never an error that stops the group; and the caller waits at most
-    `wait_s` for it, the write going on in the background after that, so an outage never holds
-    up the pre-emption path, where rank 0 records the notice before the just-in-time checkpoint."""
-    import logging
-    import threading
-
-    log = logging.getLogger("eft.records")
-    now = time.time()
-    event_id = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime(now))}-{uuid.uuid4().hex[:8]}"
-    uri = join(run_uri, "events", f"{event_id}.json")
-
-    def write() -> None:
-        try:
-            store.write_json(uri, {"kind": kind, "time": now, "id": event_id, **fields})
-        except Exception as err:  # on its own thread: nothing above it to catch it
-            log.warning("event %s not recorded at %s (%s: %s); going on", kind, uri, type(err).__name__, err)
-
-    writer = threading.Thread(target=write, name="eft-event", daemon=True)
-    writer.start()
-    writer.join(wait_s)
-    if writer.is_alive():
-        log.warning("event %s: storage has not taken %s after %.0f s; still trying in the background",
-                    kind, uri, wait_s)
-    return event_id
-
-
-def load_events(store: Store, run_uri: str) -> list[dict]:
-    events = [store.read_json(join(run_uri, "events", f)) for f in store.list_files(join(run_uri, "events"))]
-    return sorted(events, key=lambda e: e["time"])

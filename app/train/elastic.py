@@ -132,7 +132,7 @@ class ControllerEvents:
         return cls(Store.from_config(cfg.storage), cfg.run_uri, cfg)
 
     def record(self, kind: str, **fields) -> None:
-        from app.train.checkpoint import record_event
+        from app.train.records import record_event
 
         try:
             record_event(self.store, self.run_uri, kind, **fields)

@@ -17,8 +17,9 @@ from app.data.manifest import load_manifest
 from app.data.stream import document_isolation
 from app.plan import apply_parallelism
 from app.storage import Store, join
-from app.summary import build_summary, write_summary
+from app.train.summary import build_summary, write_summary
 from app.train import checkpoint as ckpt
+from app.train import records
 from app.train.architecture import check_lora_targets, check_seq_len, load_model_config
 from app.train.elastic import NodeWatcher, build_refresh_callback
 from app.train.loss import check_loss_setup
@@ -101,7 +102,7 @@ def run_training(cfg: JobConfig, store: Store | None = None, train_fn=None) -> d
     resumed = ckpt.find_latest_checkpoint(store, cfg.run_uri) is not None
     # The resolved config is stored with every run; it holds no credentials by construction.
     store.write_text(join(cfg.run_uri, "config.yaml"), dump_config(cfg))
-    ckpt.record_event(store, cfg.run_uri, "driver_start", resumed=resumed)
+    records.record_event(store, cfg.run_uri, "driver_start", resumed=resumed)
     status, error = "succeeded", None
     # While the driver lives, a prepare may not replace the dataset the workers stream.
     reader = hold_reader_lease(store, cfg.data.uri, cfg.run_uri)

@@ -27,11 +27,12 @@ from app.data.stream import (DataOrder, RankSlice, document_isolation, iter_rank
                              load_split_rows, prefetch_in_background)
 from app.storage import Store
 from app.train import checkpoint as ckpt
+from app.train import records
 from app.train.batch import BatchPlan
 from app.train.dropout import apply_row_dropout
 from app.train.grow import build_grow_requests
 from app.train.loss import apply_loss, loss_sum
-from app.train.metrics import Heartbeat, MetricsLog, StepTimer, format_progress, peak_memory
+from app.train.metrics import MetricsLog, StepTimer, format_progress, peak_memory
 from app.train.mfu import mfu, model_flops_per_token, peak_flops
 from app.train.nccl import NcclProbe
 from app.train.preemption import build_preemption_watcher, state_bytes
@@ -210,10 +211,10 @@ def train_loop_per_worker(config: dict) -> None:
                  "%s from step %d of %d", world, accum, t.micro_batch_size, t.global_batch_size,
                  f" + {padding_rows} padding rows" if padding_rows else "", n_trainable / 1e6, n_total / 1e6,
                  "resuming" if step else "starting", step, steps_total)
-        attempt = ckpt.record_event(store, cfg.run_uri, "worker_group_start", world_size=world,
+        attempt = records.record_event(store, cfg.run_uri, "worker_group_start", world_size=world,
                                     resumed_from_step=step if state.restored else None, padding_rows=padding_rows,
                                     document_isolation=isolate, **marks)
-    heartbeat = Heartbeat(store, cfg.run_uri, attempt or "", enabled=rank == 0, world_size=world,
+    heartbeat = records.Heartbeat(store, cfg.run_uri, attempt or "", enabled=rank == 0, world_size=world,
                           resumed_from_step=step)
     watcher = (build_preemption_watcher(store, cfg.run_uri, rank, device, state_bytes(params))
                if cfg.checkpoint.on_preemption else None)

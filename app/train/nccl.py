@@ -193,7 +193,7 @@ class NcclProbe:
         return cls(apply_nccl_debug_capture(), profile)
 
     def report(self, store, run_uri: str, nodes: int) -> dict:
-        from app.train import checkpoint as ckpt
+        from app.train import records
 
         record = build_transport_record(self.debug_file, nodes)
         record["env_profile_applied"] = len(self.profile)
@@ -201,5 +201,5 @@ class NcclProbe:
         for key in ("fallback", "memlock_warning"):
             if record.get(key):
                 log.warning("!" * 20 + " %s " + "!" * 20, record[key])
-        ckpt.record_event(store, run_uri, "nccl_transport", **record)
+        records.record_event(store, run_uri, "nccl_transport", **record)
         return record

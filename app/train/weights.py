@@ -315,7 +315,7 @@ def record_weights_loaded(store: Store, cfg, rank: int, bytes_read: int, seconds
     import ray
     import torch.distributed as dist
 
-    from app.train.checkpoint import record_event
+    from app.train.records import record_event
 
     mine = {"rank": rank, "node_id": ray.get_runtime_context().get_node_id(), "bytes_read": int(bytes_read),
             "bytes_cached": int(bytes_cached), "seconds": round(seconds, 3)}

@@ -1,4 +1,5 @@
-"""`<run>/summary.json`: what a run did, machine-readable; and its table for the terminal."""
+"""`<run>/summary.json`: what a run did, machine-readable (`eft train` prints it through
+`app.report.render_summary`)."""
 
 from __future__ import annotations
 
@@ -8,17 +9,18 @@ from typing import Optional
 from app.data.manifest import load_manifest
 from app.storage import Store, join
 from app.train import checkpoint as ckpt
-from app.train.metrics import load_heartbeats, load_metrics
+from app.train import records
+from app.train.metrics import load_metrics
 
 SUMMARY_FILE = "summary.json"
 
 
-def _first(records: list[dict], key: str) -> Optional[float]:
-    return next((r[key] for r in records if key in r), None)
+def _first(rows: list[dict], key: str) -> Optional[float]:
+    return next((r[key] for r in rows if key in r), None)
 
 
-def _last(records: list[dict], key: str) -> Optional[float]:
-    return next((r[key] for r in reversed(records) if key in r), None)
+def _last(rows: list[dict], key: str) -> Optional[float]:
+    return next((r[key] for r in reversed(rows) if key in r), None)
 
 
 def classify_interruption(between: list[dict], before: dict, after: dict) -> str:
@@ -61,12 +63,6 @@ def build_restart_phases(between: list[dict], after: dict, prev: dict, nxt: dict
         if mark is not None and mark >= last:
             phases[name], last = round(mark - last, 2), mark
     return phases
-
-
-def format_restart_phases(phases: Optional[dict]) -> str:
-    if not phases:
-        return "-"
-    return ", ".join(f"{name.removesuffix('_s').replace('_', ' ')} {value:.1f}" for name, value in phases.items())
 
 
 def build_interruptions(events: list[dict], heartbeats: list[dict]) -> list[dict]:
@@ -115,12 +111,6 @@ def latest_nccl(events: list[dict]) -> Optional[dict]:
                  for e in reversed(events) if e["kind"] == "nccl_transport"), None)
 
 
-def format_nccl(nccl: dict) -> list[tuple[str, str]]:
-    rows = [("NCCL network", f"{nccl.get('network') or 'unknown'} (fabric {nccl.get('fabric') or 'none'}, "
-                             f"{nccl.get('nodes')} node(s), GPUDirect RDMA {'yes' if nccl.get('gdr') else 'no'})")]
-    return rows + [("NCCL warning", nccl["fallback"])] if nccl.get("fallback") else rows
-
-
 def rows_per_epoch(rows_consumed: int, train_rows: int) -> list[int]:
     """Rows consumed in each epoch so far (the data order makes each epoch's rows distinct)."""
     if train_rows <= 0:
@@ -131,7 +121,7 @@ def rows_per_epoch(rows_consumed: int, train_rows: int) -> list[int]:
 
 def build_summary(store: Store, cfg, status: str, wall_s: float, error: Optional[str] = None) -> dict:
     metrics = load_metrics(store, cfg.run_uri)
-    events = ckpt.load_events(store, cfg.run_uri)
+    events = records.load_events(store, cfg.run_uri)
     starts = [e for e in events if e["kind"] == "worker_group_start"]
     drivers = [e for e in events if e["kind"] == "driver_start"]
     checkpoints = ckpt.list_checkpoints(store, cfg.run_uri)
@@ -158,7 +148,7 @@ def build_summary(store: Store, cfg, status: str, wall_s: float, error: Optional
         "world_sizes": [s["world_size"] for s in starts],
         "world_size_timeline": [{"time": s["time"], "world_size": s["world_size"],
                                  "from_step": s.get("resumed_from_step") or 0} for s in starts],
-        "interruptions": build_interruptions(events, load_heartbeats(store, cfg.run_uri)),
+        "interruptions": build_interruptions(events, records.load_heartbeats(store, cfg.run_uri)),
         "preemption_notices": [{"step": e["step"], "deadline_ms": e.get("deadline_ms"), "nodes": e.get("nodes"),
                                 "plan": e.get("plan"), "fallback": e.get("fallback")}
                                for e in events if e["kind"] == "preemption_notice"],
@@ -181,36 +171,3 @@ def write_summary(store: Store, run_uri: str, summary: dict) -> None:
 
 def load_summary(store: Store, run_uri: str) -> dict:
     return store.read_json(join(run_uri, SUMMARY_FILE))
-
-
-def render_summary(summary: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"run {summary['name']}: {summary['status']}", show_header=False)
-    table.add_column(style="bold")
-    table.add_column()
-    fmt = lambda v: f"{v:.4f}" if isinstance(v, float) else str(v)  # noqa: E731
-    rows = [
-        ("steps", f"{summary['steps']} / {summary['target_steps']}"),
-        ("tokens", f"{summary['tokens']:,}"),
-        ("train loss", f"{fmt(summary['first_train_loss'])} → {fmt(summary['final_train_loss'])}"),
-        ("val loss", f"{fmt(summary['first_val_loss'])} → {fmt(summary['final_val_loss'])}"),
-        ("tokens/s", f"{summary['tokens_per_s']:,.0f}" if summary["tokens_per_s"] else "-"),
-        ("restarts", f"{summary['restarts']} (driver {summary['driver_restarts']})"),
-        ("world sizes", ", ".join(map(str, summary["world_sizes"]))),
-        ("latest checkpoint", str(summary["latest_checkpoint"])),
-        ("wall time", f"{summary['wall_s']:.1f}s"),
-    ]
-    for i, item in enumerate(summary.get("interruptions", []), 1):
-        rows.append((f"interruption {i}", f"{item['cause']}: world {item['world_size_before']}→"
-                     f"{item['world_size_after']}, resumed at step {item['resumed_from_step']}, "
-                     f"lost {item['steps_lost']}, recomputed {item['steps_recomputed']}, "
-                     f"recovery {item['recovery_s']}s ({format_restart_phases(item.get('phases'))})"))
-    if summary.get("nccl"):
-        rows += format_nccl(summary["nccl"])
-    if summary.get("error"):
-        rows.append(("error", summary["error"]))
-    for key, value in rows:
-        table.add_row(key, value)
-    Console().print(table)
