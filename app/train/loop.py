@@ -1,5 +1,7 @@
-"""`train_loop_per_worker`: what every Ray Train worker runs. Read it top to bottom:
-setup → resume → loop → report.
+"""`train_loop_per_worker`: what every Ray Train worker runs, in torchtitan's shape:
+`setup` (stream, model, optimizer) → `resume` (the checkpoint's state, this attempt's records)
+→ loop of `train_step`, `log_step`, `maybe_checkpoint` (with the PreemptionWatcher and the
+grow requests) → `report`. Each reads and advances one `Worker`.
 
 The optimizer always sees `training.global_batch_size` sequences per step, whatever the
 world size: each worker takes its G/W rows per step (floor or ceil, with
@@ -14,7 +16,8 @@ import contextlib
 import logging
 import math
 import time
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
@@ -30,12 +33,12 @@ from app.train import checkpoint as ckpt
 from app.train import records
 from app.train.batch import BatchPlan
 from app.train.dropout import apply_row_dropout
-from app.train.grow import build_grow_requests
+from app.train.grow import GrowRequests, build_grow_requests
 from app.train.loss import apply_loss, loss_sum
 from app.train.metrics import MetricsLog, StepTimer, format_progress, peak_memory
 from app.train.mfu import mfu, model_flops_per_token, peak_flops
 from app.train.nccl import NcclProbe
-from app.train.preemption import build_preemption_watcher, state_bytes
+from app.train.preemption import PreemptionWatcher, build_preemption_watcher, state_bytes
 from app.train.resume import build_lineage
 from app.train.sinks import MlflowSink, TensorBoardSink, flatten
 from app.train.model import build_model, count_parameters, resolve_precision, trainable_parameters
@@ -133,11 +136,69 @@ def evaluate(model, val: dict, rank: int, world: int, micro_batch: int, device, 
 
 
 def train_loop_per_worker(config: dict) -> None:
+    w = setup(config)
+    resume(w, config)
+    w.model.train()
+    while w.step < w.steps_total:
+        micro, lr, grad_norm = train_step(w)
+        log_step(w, micro, lr, grad_norm)
+        maybe_checkpoint(w)
+    report(w)
+
+
+@dataclass
+class Worker:
+    """What one worker of one worker-group attempt holds: built by `setup` and `resume`, then
+    read and advanced by `train_step`, `log_step` and `maybe_checkpoint`."""
+
+    cfg: JobConfig
+    rank: int
+    world: int
+    nodes: int
+    device: torch.device
+    store: Store
+    plan: BatchPlan
+    lineage: dict
+    train_rows: int
+    steps_total: int
+    checkpoint: object  # Ray's (or a newer complete) checkpoint to resume from, or None
+    start_rows: int
+    batches: Iterator
+    model: torch.nn.Module
+    row_seeds: object
+    autocast_dtype: Optional[torch.dtype]
+    params: list
+    replicated: list
+    optimizer: torch.optim.Optimizer
+    n_trainable: int
+    n_total: int
+    val: dict
+    isolate: bool
+    nccl_probe: Optional[NcclProbe]
+    # Wall-clock marks of this start, for the restart breakdown in the summary.
+    marks: dict
+    step: int = 0
+    rows_consumed: int = 0
+    metrics: Optional[MetricsLog] = None
+    sinks: list = field(default_factory=list)
+    heartbeat: Optional[records.Heartbeat] = None
+    watcher: Optional[PreemptionWatcher] = None
+    grow: Optional[GrowRequests] = None
+    timer: Optional[StepTimer] = None
+    tokens_per_step: int = 0
+    flops_per_token: float = 0.0
+    device_peak: Optional[float] = None
+    # Summed loss and label tokens since the last logging step, kept on device: no host sync.
+    loss_acc: Optional[torch.Tensor] = None
+    tokens_acc: Optional[torch.Tensor] = None
+    nonfinite: Optional[torch.Tensor] = None
+
+
+def setup(config: dict) -> Worker:
+    """The data stream, the model, the optimizer: everything but the checkpoint's state."""
     import ray.train
     import ray.train.torch
 
-    # --- setup -------------------------------------------------------------------
-    # Wall-clock marks of this start, for the restart breakdown in the summary.
     marks = {"entered_at": time.time()}
     cfg = JobConfig.model_validate(config["cfg"])
     ctx = ray.train.get_context()
@@ -151,13 +212,11 @@ def train_loop_per_worker(config: dict) -> None:
     plan = BatchPlan(t.global_batch_size, world, t.micro_batch_size)
     if problem := plan.problem(t.pad_uneven_batches):
         raise ValueError(problem)
-    accum, padding_rows = plan.accum, plan.padding_rows
 
     manifest = load_manifest(store, cfg.data.uri)
     lineage = build_lineage(cfg, manifest)  # recorded with every checkpoint: what it was trained from
     isolate = document_isolation(cfg, manifest, note=rank == 0)
     order = DataOrder.from_manifest(manifest, t.seed)
-    steps_total = total_steps(cfg, order.num_rows)
     data_fs, _ = store.resolve(cfg.data.uri)
     train_shards = [store.resolve(u)[1] for u in shard_uris(cfg.data.uri, manifest, "train")]
 
@@ -167,8 +226,8 @@ def train_loop_per_worker(config: dict) -> None:
     start_rows = int(ckpt.peek_train_state(checkpoint).get("rows_consumed", 0))
     my_slice = RankSlice(rank, world, t.global_batch_size, origin=start_rows)
     rows = iter_rank_rows(order, train_shards, data_fs, my_slice, start=start_rows, position_ids=isolate)
-    batches = prefetch_in_background(iter_step_batches(rows, my_slice.rows_per_step, t.micro_batch_size, accum),
-                                     depth=2)
+    batches = prefetch_in_background(iter_step_batches(rows, my_slice.rows_per_step, t.micro_batch_size,
+                                                       plan.accum), depth=2)
 
     # A Store of its own, so its byte count is what loading the model read from storage.
     model_store, load_started = Store.from_config(cfg.storage), time.monotonic()
@@ -180,9 +239,7 @@ def train_loop_per_worker(config: dict) -> None:
     apply_loss(model, t.loss, t.loss_chunk_tokens)  # train and evaluate both go through loss_sum
     row_seeds = apply_row_dropout(model, t.seed, note=rank == 0)  # masks keyed on rows, not ranks
     precision = resolve_precision(cfg, device)
-    autocast_dtype = forward_autocast_dtype(model, precision.param_dtype)
     params = trainable_parameters(model)
-    replicated = replicated_parameters(model)  # LoRA adapters under FSDP2: reduced here, once per step
     optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
     n_trainable, n_total = count_parameters(model)
     val = {"row_id": []}
@@ -190,143 +247,168 @@ def train_loop_per_worker(config: dict) -> None:
         val_shards = [store.resolve(u)[1] for u in shard_uris(cfg.data.uri, manifest, "validation")]
         val = load_split_rows(val_shards, data_fs, limit=t.eval_max_batches * t.global_batch_size,
                               position_ids=isolate)
+    return Worker(
+        cfg=cfg, rank=rank, world=world, nodes=max(world // ctx.get_local_world_size(), 1), device=device,
+        store=store, plan=plan, lineage=lineage, train_rows=order.num_rows,
+        steps_total=total_steps(cfg, order.num_rows), checkpoint=checkpoint, start_rows=start_rows,
+        batches=batches, model=model, row_seeds=row_seeds,
+        autocast_dtype=forward_autocast_dtype(model, precision.param_dtype), params=params,
+        # LoRA adapters under FSDP2: reduced here, once per step.
+        replicated=replicated_parameters(model), optimizer=optimizer, n_trainable=n_trainable, n_total=n_total,
+        val=val, isolate=isolate, nccl_probe=nccl_probe, marks=marks)
 
-    # --- resume ------------------------------------------------------------------
-    state = ckpt.restore(checkpoint, model, optimizer, lora=cfg.lora is not None)
-    marks["restored_at"] = time.time()
-    step, rows_consumed = state.step, state.rows_consumed
-    if rows_consumed != start_rows:
-        raise RuntimeError(f"checkpoint {checkpoint.path}: train_state changed while loading "
-                           f"({start_rows} then {rows_consumed} rows consumed)")
-    metrics = MetricsLog(store, cfg.run_uri, enabled=rank == 0)
-    metrics.load(up_to_step=step)
-    sinks = []
-    if rank == 0:
-        sinks.append(TensorBoardSink(store, cfg.run_uri, resumed_from_step=step))
-        if config.get("mlflow"):
-            sinks.append(MlflowSink(config["mlflow"], cfg.run_uri, flatten(config["cfg"])))
+
+def resume(w: Worker, config: dict) -> None:
+    """The checkpoint's state, then what records this attempt: metrics, sinks, its start
+    event and heartbeat, and what watches for a notice or a grow."""
+    cfg, t = w.cfg, w.cfg.training
+    state = ckpt.restore(w.checkpoint, w.model, w.optimizer, lora=cfg.lora is not None)
+    w.marks["restored_at"] = time.time()
+    w.step, w.rows_consumed = state.step, state.rows_consumed
+    if w.rows_consumed != w.start_rows:
+        raise RuntimeError(f"checkpoint {w.checkpoint.path}: train_state changed while loading "
+                           f"({w.start_rows} then {w.rows_consumed} rows consumed)")
+    w.metrics = MetricsLog(w.store, cfg.run_uri, enabled=w.rank == 0)
+    w.metrics.load(up_to_step=w.step)
     attempt = None
-    if rank == 0:
+    if w.rank == 0:
+        w.sinks.append(TensorBoardSink(w.store, cfg.run_uri, resumed_from_step=w.step))
+        if config.get("mlflow"):
+            w.sinks.append(MlflowSink(config["mlflow"], cfg.run_uri, flatten(config["cfg"])))
+        padding = w.plan.padding_rows
         log.info("world %d x accum %d x micro %d = global batch %d%s | params %.2fM trainable of %.2fM | "
-                 "%s from step %d of %d", world, accum, t.micro_batch_size, t.global_batch_size,
-                 f" + {padding_rows} padding rows" if padding_rows else "", n_trainable / 1e6, n_total / 1e6,
-                 "resuming" if step else "starting", step, steps_total)
-        attempt = records.record_event(store, cfg.run_uri, "worker_group_start", world_size=world,
-                                    resumed_from_step=step if state.restored else None, padding_rows=padding_rows,
-                                    document_isolation=isolate, **marks)
-    heartbeat = records.Heartbeat(store, cfg.run_uri, attempt or "", enabled=rank == 0, world_size=world,
-                          resumed_from_step=step)
-    watcher = (build_preemption_watcher(store, cfg.run_uri, rank, device, state_bytes(params))
-               if cfg.checkpoint.on_preemption else None)
-    elastic = cfg.scaling.min_workers < cfg.scaling.max_workers
-    grow = build_grow_requests(store, cfg.run_uri, rank) if elastic and cfg.checkpoint.before_grow else None
+                 "%s from step %d of %d", w.world, w.plan.accum, t.micro_batch_size, t.global_batch_size,
+                 f" + {padding} padding rows" if padding else "", w.n_trainable / 1e6, w.n_total / 1e6,
+                 "resuming" if w.step else "starting", w.step, w.steps_total)
+        attempt = records.record_event(w.store, cfg.run_uri, "worker_group_start", world_size=w.world,
+                                       resumed_from_step=w.step if state.restored else None, padding_rows=padding,
+                                       document_isolation=w.isolate, **w.marks)
+    w.heartbeat = records.Heartbeat(w.store, cfg.run_uri, attempt or "", enabled=w.rank == 0, world_size=w.world,
+                                    resumed_from_step=w.step)
+    if cfg.checkpoint.on_preemption:
+        w.watcher = build_preemption_watcher(w.store, cfg.run_uri, w.rank, w.device, state_bytes(w.params))
+    if cfg.scaling.min_workers < cfg.scaling.max_workers and cfg.checkpoint.before_grow:
+        w.grow = build_grow_requests(w.store, cfg.run_uri, w.rank)
+    w.timer = StepTimer(w.steps_total, start_step=w.step, device=w.device)
+    w.tokens_per_step = t.global_batch_size * cfg.data.seq_len
+    w.flops_per_token = model_flops_per_token(w.model, cfg.data.seq_len, cfg.lora is not None, w.n_total,
+                                              w.n_trainable)
+    w.device_peak = peak_flops(w.device)
+    w.loss_acc = torch.zeros((), dtype=torch.float64, device=w.device)
+    w.tokens_acc = torch.zeros((), dtype=torch.float64, device=w.device)
+    w.nonfinite = torch.zeros((), dtype=torch.bool, device=w.device)
 
-    timer = StepTimer(steps_total, start_step=step, device=device)
-    tokens_per_step = t.global_batch_size * cfg.data.seq_len
-    flops_per_token = model_flops_per_token(model, cfg.data.seq_len, cfg.lora is not None, n_total, n_trainable)
-    device_peak = peak_flops(device)
-    # Summed loss and label tokens since the last logging step, kept on device: no host sync.
-    loss_acc = torch.zeros((), dtype=torch.float64, device=device)
-    tokens_acc = torch.zeros((), dtype=torch.float64, device=device)
-    nonfinite = torch.zeros((), dtype=torch.bool, device=device)
 
-    # --- loop --------------------------------------------------------------------
-    model.train()
-    while step < steps_total:
-        lr = lr_at(step, steps_total, t)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        # Dropout masks come from RowSeeds (seed, step, row). The global RNG is seeded only for
-        # random ops outside them (none in the models we train): a resumed step redraws the same.
-        torch.manual_seed(step_seed(t.seed, step, rank))
+def train_step(w: Worker) -> tuple[list, float, torch.Tensor]:
+    """One optimizer step over this rank's share of the global batch: (its micro-batches, the
+    learning rate, the gradient norm). No host sync."""
+    t = w.cfg.training
+    lr = lr_at(w.step, w.steps_total, t)
+    for group in w.optimizer.param_groups:
+        group["lr"] = lr
+    # Dropout masks come from RowSeeds (seed, step, row). The global RNG is seeded only for
+    # random ops outside them (none in the models we train): a resumed step redraws the same.
+    torch.manual_seed(step_seed(t.seed, w.step, w.rank))
 
-        with timer.phase("data"):
-            micro = next(batches)
-        heartbeat.mark_first_batch()
-        with timer.phase("compute"):
-            global_tokens = all_reduce_sum(torch.tensor(float(sum(label_tokens(m[2]) for m in micro)),
-                                                        dtype=torch.float64, device=device))
-            tokens_acc += global_tokens
-            scale = world / global_tokens.clamp(min=1)
-            for i, (row_ids, inputs, labels, positions) in enumerate(micro):
-                x = torch.as_tensor(inputs, dtype=torch.long, device=device)
-                y = torch.as_tensor(labels, dtype=torch.long, device=device)
-                with grad_sync_context(model, enabled=i == accum - 1), row_seeds.rows(row_ids, step):
-                    loss = loss_sum(model, x, y, autocast_dtype, as_positions(positions, device))
-                    (loss * scale).backward()
-                loss_acc += loss.detach().double()
-            all_reduce_gradients(replicated, world)
-        with timer.phase("optimizer"):
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip_norm or float("inf"))
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        nonfinite |= ~torch.isfinite(loss_acc)
-        step += 1
-        rows_consumed += t.global_batch_size
+    with w.timer.phase("data"):
+        micro = next(w.batches)
+    w.heartbeat.mark_first_batch()
+    with w.timer.phase("compute"):
+        global_tokens = all_reduce_sum(torch.tensor(float(sum(label_tokens(m[2]) for m in micro)),
+                                                    dtype=torch.float64, device=w.device))
+        w.tokens_acc += global_tokens
+        scale = w.world / global_tokens.clamp(min=1)
+        for i, (row_ids, inputs, labels, positions) in enumerate(micro):
+            x = torch.as_tensor(inputs, dtype=torch.long, device=w.device)
+            y = torch.as_tensor(labels, dtype=torch.long, device=w.device)
+            with grad_sync_context(w.model, enabled=i == w.plan.accum - 1), w.row_seeds.rows(row_ids, w.step):
+                loss = loss_sum(w.model, x, y, w.autocast_dtype, as_positions(positions, w.device))
+                (loss * scale).backward()
+            w.loss_acc += loss.detach().double()
+        all_reduce_gradients(w.replicated, w.world)
+    with w.timer.phase("optimizer"):
+        grad_norm = torch.nn.utils.clip_grad_norm_(w.params, t.grad_clip_norm or float("inf"))
+        w.optimizer.step()
+        w.optimizer.zero_grad(set_to_none=True)
+    w.nonfinite |= ~torch.isfinite(w.loss_acc)
+    w.step += 1
+    w.rows_consumed += t.global_batch_size
+    return micro, lr, grad_norm
 
-        is_eval = bool(t.eval_every_steps) and (step % t.eval_every_steps == 0 or step == steps_total)
-        if is_eval or step % t.log_every_steps == 0 or step == steps_total:
-            # Logging steps are the only host syncs in the loop.
-            train_loss = float(all_reduce_sum(loss_acc.clone()) / tokens_acc.clamp(min=1))
-            if bool(nonfinite) or not math.isfinite(train_loss):
-                raise FloatingPointError(f"non-finite loss {train_loss} at step {step}; stopping")
-            record = {"step": step, "loss": train_loss, "lr": lr, "grad_norm": to_scalar(grad_norm),
-                      "world_size": world, "rows_consumed": rows_consumed, "epoch": rows_consumed / order.num_rows,
-                      **timer.end_step(step, tokens_per_step), **peak_memory(device)}
-            record["tokens_per_s_per_worker"] = record["tokens_per_s"] / world
-            record["mfu"] = mfu(record["tokens_per_s"], flops_per_token, device_peak, world)
-            if t.trace_rows:
-                record["row_ids"] = gather_row_ids(micro, world, device)
-            loss_acc.zero_()
-            tokens_acc.zero_()
-            if is_eval:
-                val_loss = evaluate(model, val, rank, world, t.micro_batch_size, device, autocast_dtype)
-                if val_loss is not None:
-                    record["val_loss"], record["val_ppl"] = val_loss, math.exp(min(val_loss, 50.0))
-            metrics.append(record)
-            for sink in sinks:
-                sink.log(record)
-            if rank == 0:
-                log.info(format_progress(record, steps_total))
-        else:
-            timer.skip_step()
-        heartbeat.beat(step)
-        if nccl_probe and rank == 0 and step == timer.start_step + 1:
-            nccl_probe.report(store, cfg.run_uri, nodes=max(world // ctx.get_local_world_size(), 1))
 
-        just_in_time = watcher.after_step(step) if watcher is not None else None
-        before_grow = grow.after_step(step) if grow is not None else None
-        if just_in_time or before_grow or step % cfg.checkpoint.save_every_steps == 0 or step == steps_total:
-            # A just-in-time or pre-grow save waits for its upload: the group drains only once it is up.
-            wait_for_upload = just_in_time is not None or before_grow is not None or not cfg.checkpoint.async_upload
-            if before_grow:
-                grow.acknowledge_when_up(before_grow, step, cfg.checkpoint.before_grow_timeout_s)
-            with timer.phase("checkpoint"):
-                began = time.monotonic()
-                # Lines first: a checkpoint never exists without the metrics up to its step.
-                metrics.flush()
-                ckpt.save(cfg, store, model, optimizer, step=step, rows_consumed=rows_consumed, world_size=world,
-                          metrics=metrics.latest(), rank=rank, lineage=lineage, wait_for_upload=wait_for_upload)
-            if watcher is not None:
-                watcher.record_save(time.monotonic() - began, uploaded=wait_for_upload)
-            heartbeat.beat(step, force=True)
-            if just_in_time and just_in_time.drain and step < steps_total:
-                heartbeat.flush()
-                watcher.drain(step)  # raises once the node is gone: Ray restarts from this checkpoint
-            if before_grow and step < steps_total:
-                heartbeat.flush()
-                grow.drain(cfg.checkpoint.before_grow_timeout_s)  # Ray restarts the group bigger
+def log_step(w: Worker, micro: list, lr: float, grad_norm: torch.Tensor) -> None:
+    """On logging and eval steps (the loop's only host syncs): the loss, metrics, validation;
+    every step: the heartbeat."""
+    t, step = w.cfg.training, w.step
+    is_eval = bool(t.eval_every_steps) and (step % t.eval_every_steps == 0 or step == w.steps_total)
+    if is_eval or step % t.log_every_steps == 0 or step == w.steps_total:
+        train_loss = float(all_reduce_sum(w.loss_acc.clone()) / w.tokens_acc.clamp(min=1))
+        if bool(w.nonfinite) or not math.isfinite(train_loss):
+            raise FloatingPointError(f"non-finite loss {train_loss} at step {step}; stopping")
+        record = {"step": step, "loss": train_loss, "lr": lr, "grad_norm": to_scalar(grad_norm),
+                  "world_size": w.world, "rows_consumed": w.rows_consumed, "epoch": w.rows_consumed / w.train_rows,
+                  **w.timer.end_step(step, w.tokens_per_step), **peak_memory(w.device)}
+        record["tokens_per_s_per_worker"] = record["tokens_per_s"] / w.world
+        record["mfu"] = mfu(record["tokens_per_s"], w.flops_per_token, w.device_peak, w.world)
+        if t.trace_rows:
+            record["row_ids"] = gather_row_ids(micro, w.world, w.device)
+        w.loss_acc.zero_()
+        w.tokens_acc.zero_()
+        if is_eval:
+            val_loss = evaluate(w.model, w.val, w.rank, w.world, t.micro_batch_size, w.device, w.autocast_dtype)
+            if val_loss is not None:
+                record["val_loss"], record["val_ppl"] = val_loss, math.exp(min(val_loss, 50.0))
+        w.metrics.append(record)
+        for sink in w.sinks:
+            sink.log(record)
+        if w.rank == 0:
+            log.info(format_progress(record, w.steps_total))
+    else:
+        w.timer.skip_step()
+    w.heartbeat.beat(step)
+    if w.nccl_probe and w.rank == 0 and step == w.timer.start_step + 1:
+        w.nccl_probe.report(w.store, w.cfg.run_uri, nodes=w.nodes)
 
-    # --- report ------------------------------------------------------------------
-    # The final step always saves (above), which reports its metrics and checkpoint to Ray.
-    if grow is not None:
-        grow.stop()
-    metrics.flush()
-    heartbeat.flush()
-    for sink in sinks:
+
+def maybe_checkpoint(w: Worker) -> None:
+    """Every `save_every_steps`, at the last step, at the last safe step before a pre-emption
+    deadline (then drain), and before a grow (then wait for the restart)."""
+    cfg, step = w.cfg, w.step
+    just_in_time = w.watcher.after_step(step) if w.watcher is not None else None
+    before_grow = w.grow.after_step(step) if w.grow is not None else None
+    if not (just_in_time or before_grow or step % cfg.checkpoint.save_every_steps == 0 or step == w.steps_total):
+        return
+    # A just-in-time or pre-grow save waits for its upload: the group drains only once it is up.
+    wait_for_upload = just_in_time is not None or before_grow is not None or not cfg.checkpoint.async_upload
+    if before_grow:
+        w.grow.acknowledge_when_up(before_grow, step, cfg.checkpoint.before_grow_timeout_s)
+    with w.timer.phase("checkpoint"):
+        began = time.monotonic()
+        # Lines first: a checkpoint never exists without the metrics up to its step.
+        w.metrics.flush()
+        ckpt.save(cfg, w.store, w.model, w.optimizer, step=step, rows_consumed=w.rows_consumed, world_size=w.world,
+                  metrics=w.metrics.latest(), rank=w.rank, lineage=w.lineage, wait_for_upload=wait_for_upload)
+    if w.watcher is not None:
+        w.watcher.record_save(time.monotonic() - began, uploaded=wait_for_upload)
+    w.heartbeat.beat(step, force=True)
+    if just_in_time and just_in_time.drain and step < w.steps_total:
+        w.heartbeat.flush()
+        w.watcher.drain(step)  # raises once the node is gone: Ray restarts from this checkpoint
+    if before_grow and step < w.steps_total:
+        w.heartbeat.flush()
+        w.grow.drain(cfg.checkpoint.before_grow_timeout_s)  # Ray restarts the group bigger
+
+
+def report(w: Worker) -> None:
+    """The final step always saved (above), which reported its metrics and checkpoint to Ray."""
+    if w.grow is not None:
+        w.grow.stop()
+    w.metrics.flush()
+    w.heartbeat.flush()
+    for sink in w.sinks:
         sink.finish()
-    if rank == 0:
-        log.info("done: %d steps, %d rows consumed", step, rows_consumed)
+    if w.rank == 0:
+        log.info("done: %d steps, %d rows consumed", w.step, w.rows_consumed)
 
 
 def gather_row_ids(micro, world: int, device) -> list[int]:
