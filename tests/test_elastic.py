@@ -27,7 +27,7 @@ from app.train.preemption import PreemptionDrained, PreemptionWatcher
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE, DATA = "s3://eft/models/tiny-spot", "s3://eft/data/spot"
-STEPS = 100  # the scenario's default (tests/scenarios/spot.py)
+STEPS = 140  # the scenario's default (tests/scenarios/spot.py)
 RUN = "s3://eft/runs-spot/spot"
 
 
