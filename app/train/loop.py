@@ -381,6 +381,10 @@ def maybe_checkpoint(w: Worker) -> None:
     # A just-in-time or pre-grow save waits for its upload: the group drains only once it is up.
     wait_for_upload = just_in_time is not None or before_grow is not None or not cfg.checkpoint.async_upload
     if before_grow:
+        # Written now: the save's report to Ray may block until the group is torn down (see
+        # GrowRequests.acknowledge_when_up), and the heartbeat must already say this step was done.
+        w.heartbeat.beat(step, force=True)
+        w.heartbeat.flush()
         w.grow.acknowledge_when_up(before_grow, step, cfg.checkpoint.before_grow_timeout_s)
     with w.timer.phase("checkpoint"):
         began = time.monotonic()
