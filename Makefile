@@ -23,7 +23,7 @@ demo: install
 	$(VENV)/bin/eft demo
 
 test: install
-	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=30
+	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=30 || { rc=$$?; $(VENV)/bin/python tests/report_crash.py; exit $$rc; }
 
 # Leaves .eft/ alone: it holds the local stack (`eft local down` stops and owns it).
 clean:

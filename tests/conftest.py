@@ -35,6 +35,11 @@ def ray_cluster(s3):
     require_token_auth()  # a private token: nothing read from or written to ~/.ray
     ray.init(address="local", num_cpus=8, include_dashboard=True, log_to_driver=True,
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    # Where `make test` looks for the reason if this driver is killed (tests/report_crash.py).
+    session = Path(ray._private.worker._global_node.get_session_dir_path())
+    record = Path(__file__).resolve().parents[1] / "build" / "pytest-ray-session"
+    record.parent.mkdir(exist_ok=True)
+    record.write_text(str(session))
     yield ray
     ray.shutdown()
 

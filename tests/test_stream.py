@@ -82,6 +82,9 @@ def test_ray_data_stream_yields_each_ranks_rows_in_order(ray_cluster, tmp_path, 
             assert (inputs[real, 0] == ids[real]).all() and (labels[real, -1] == ids[real]).all()
             assert (labels[~real] == IGNORE_INDEX).all()  # padding carries no labels
             seen.extend(ids[real].tolist())
+        # Stops this rank's pipeline now, so the ranks' Ray Data executors do not pile up.
+        batches.close()
+        rows.close()
     assert sorted(seen) == sorted(expected.ravel().tolist())
 
 
