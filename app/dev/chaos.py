@@ -2,7 +2,9 @@
 (`ray.cluster_utils.Cluster`, one raylet per simulated node), pre-emption notices sent the way
 a cloud's drain is (GCS `DrainNode` with reason PREEMPTION and a deadline), nodes removed
 gracefully or killed outright, and a watcher that follows a run through its heartbeats.
-Used by the elastic tests and `bench/elastic_recovery.py`.
+A seeded reclaim schedule (`build_reclaim_schedule`, `play_reclaims`) strings several of them
+over one run. Used by the elastic tests, `bench/elastic_recovery.py` and
+`bench/reclaim_schedule.py`.
 
 Ray reads its knobs when its processes start, so `configure_fast_failure_detection()` must run
 before the cluster does: nodes it starts inherit this process's environment.
@@ -11,6 +13,7 @@ before the cluster does: nodes it starts inherit this process's environment.
 from __future__ import annotations
 
 import os
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -128,7 +131,8 @@ class RunWatcher:
     def wait_jit_checkpoint(self, after: float, timeout_s: float = 60) -> int:
         """Block until the run has recorded a pre-emption notice (one recorded after `after`)
         and its just-in-time checkpoint is complete in storage; returns that checkpoint's step:
-        the late save's (`preemption_checkpoint` event), or the notice's own step when the
+        the first late save's (`preemption_checkpoint` event; a faster save than planned may
+        be followed by another), or the notice's own step when the
         notice fell back to saving at once. TimeoutError, saying what is missing, if not
         within `timeout_s`."""
         deadline = time.time() + timeout_s
@@ -154,3 +158,61 @@ class RunWatcher:
         """Seconds from a node loss to the first step of the next worker group."""
         firsts = [b["first_step_at"] for b in self.heartbeats() if b["started_at"] > lost_at and b.get("first_step_at")]
         return round(min(firsts) - lost_at, 2) if firsts else None
+
+
+@dataclass(frozen=True)
+class Reclaim:
+    """One node lost in a schedule, then its capacity back."""
+    kind: str  # "notice": drained, gone just before its deadline; "kill": gone at once
+    at_step: int  # the run's step at which it comes (or at once, if the run is past it)
+    deadline_s: Optional[float]  # a notice's warning
+    return_after_steps: int  # steps trained at the smaller size before a node joins again
+
+
+def build_reclaim_schedule(seed: int, steps: int, notices: int = 2, kills: int = 1, deadline_s: float = 30.0,
+                           return_after_steps: tuple[int, int] = (10, 30)) -> list[Reclaim]:
+    """`notices` + `kills` reclaims in a seeded order, one per equal slice of the run's first
+    two thirds, each at a seeded step in the first half of its slice: a notice's deadline, the
+    restart and the node's return then fit before the next one on a box that takes ~0.5 s a
+    step, and the last third runs at full size."""
+    rng = random.Random(seed)
+    kinds = ["notice"] * notices + ["kill"] * kills
+    rng.shuffle(kinds)
+    span = (2 * steps // 3) // max(len(kinds), 1)
+    if span < 8:
+        raise ValueError(f"{steps} steps are too few for {len(kinds)} reclaims")
+    return [Reclaim(kind, at_step=i * span + rng.randint(span // 8, span // 2),
+                    deadline_s=deadline_s if kind == "notice" else None,
+                    return_after_steps=rng.randint(*return_after_steps))
+            for i, kind in enumerate(kinds)]
+
+
+def play_reclaims(cluster: LocalCluster, run: RunWatcher, schedule: list[Reclaim], seed: int) -> list[dict]:
+    """Play `schedule` on a running job: for each reclaim, at its step, lose a seeded node (a
+    notice: drain it, remove it a second before its deadline, as a reclaimed spot node goes;
+    a kill: remove it outright), wait for training at the smaller size, then add a node and
+    wait for the group to grow back. Returns when each happened, and the seconds from each loss
+    and each return to the first step after it."""
+    rng = random.Random(seed)
+    played = []
+    for reclaim in schedule:
+        run.wait_step(reclaim.at_step)
+        world = len(cluster.nodes)
+        node = rng.choice(cluster.nodes)
+        noticed_at = None
+        if reclaim.kind == "notice":
+            noticed_at = time.time()
+            cluster.preempt(node, deadline_s=reclaim.deadline_s)
+            time.sleep(max(reclaim.deadline_s - 1.0, 0.0))
+        lost_at = time.time()
+        cluster.remove(node, graceful=reclaim.kind == "notice")
+        shrunk = run.wait_step(1, world_size=world - 1, after=lost_at)
+        run.wait_step(shrunk + reclaim.return_after_steps, world_size=world - 1)
+        returned_at = time.time()
+        cluster.add_node()
+        run.wait_step(1, world_size=world, after=returned_at)
+        played.append({"kind": reclaim.kind, "at_step": reclaim.at_step, "noticed_at": noticed_at,
+                       "lost_at": lost_at, "returned_at": returned_at,
+                       "loss_to_first_step_s": run.recovery_after(lost_at),
+                       "return_to_first_step_s": run.recovery_after(returned_at)})
+    return played
