@@ -6,8 +6,8 @@ the order `DataOrder` fixes (the rows eft's loop consumes at step s), with 3 wor
 Ray cluster. Each is run uninterrupted and with one worker process SIGKILLed at a fixed step.
 
 Replicas mode: each Ray Train worker is one replica group (Ray 2.60 fixes the group size at 1),
-gloo on CPU, torchft's `Manager` (synchronous quorum) + its DDP / optimizer wrappers across
-groups, healing from a peer over its process group. Step s's G rows are split over the groups
+gloo on CPU, torchft's `Manager` (synchronous quorum) + its optimizer wrapper and one flat
+all-reduce across groups, healing from a peer over its process group. Step s's G rows are split over the groups
 *in the quorum of that step* (slots r*G//P .. (r+1)*G//P), and the loss is normalized by the
 label tokens of all G rows, so a step that commits with fewer groups still consumes all G rows
 once, and a step that does not commit is retried with the same rows. Each group logs, per step,

@@ -297,3 +297,32 @@ def test_tensorboard_event_files_go_up_once_each_and_read_back_in_order(s3, tmp_
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("loss")] == \
         [(s, float(s)) for s in range(1, 9)] + [(s, 100.0 + s) for s in range(9, 15)]
+
+
+def test_a_restore_copy_is_fetched_once_per_node_and_never_rewritten_under_a_reader(s3, monkeypatch, tmp_path):
+    """Ray's `Checkpoint.as_directory` downloads again into the same directory when a rank
+    arrives after the first download, overwriting files another rank is reading. eft's copy
+    is made once; a rank that arrives later gets the same files, untouched."""
+    import ray.train
+
+    from app.train.checkpoint import fetch_checkpoint
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the copy goes under the per-user cache root
+    store = Store()
+    uri = "s3://eft/restore-copy/checkpoint-000010"
+    store.write_bytes(join(uri, ".metadata"), b"m" * 1000)
+    store.write_bytes(join(uri, "__0_0.distcp"), b"d" * 5000)
+    fs, path = store.resolve(uri)
+    checkpoint = ray.train.Checkpoint(path, filesystem=fs)
+    first, copied = fetch_checkpoint(checkpoint, store)
+    assert copied and (first / ".metadata").read_bytes() == b"m" * 1000 and store.bytes_read == 6000
+    reading = (first / ".metadata").open("rb")  # a rank still reading the first copy
+    inode = (first / ".metadata").stat().st_ino
+    later, _ = fetch_checkpoint(ray.train.Checkpoint(path, filesystem=fs), store)  # a rank arriving later
+    assert later == first and (later / ".metadata").stat().st_ino == inode
+    assert store.bytes_read == 6000 and store.bytes_cached == 6000  # nothing downloaded again
+    assert reading.read() == b"m" * 1000
+    reading.close()
+    local = tmp_path / "local-checkpoint"
+    local.mkdir()
+    assert fetch_checkpoint(ray.train.Checkpoint(str(local)), store) == (local, False)  # read in place

@@ -262,7 +262,7 @@ def _gather_restored_state(config: dict) -> None:
     model = build_model(cfg, store, ray.train.torch.get_device(), ctx.get_world_rank(), ctx.get_world_size())
     optimizer = torch.optim.AdamW(trainable_parameters(model), lr=cfg.training.lr)
     fs, path = store.resolve(config["checkpoint_uri"])
-    state = ckpt.restore(ray.train.Checkpoint(path, filesystem=fs), model, optimizer, lora=True)
+    state = ckpt.restore(ray.train.Checkpoint(path, filesystem=fs), store, model, optimizer, lora=True)
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
     gathered = {"model": get_model_state_dict(model, options=opts),
                 "optim": get_optimizer_state_dict(model, optimizer, options=opts), "step": state.step}

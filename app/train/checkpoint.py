@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from app.storage import Store, StorageError, join
+from app.storage import Store, StorageError, default_cache_root, ensure_private_dir, join
 
 TRAIN_STATE = "train_state.json"
 SIDECAR = "checkpoint.json"
@@ -233,21 +233,43 @@ def peek_train_state(checkpoint) -> dict:
         raise RuntimeError(f"checkpoint {path} is incomplete (no {TRAIN_STATE})") from None
 
 
-def restore(checkpoint, model, optimizer, lora: bool) -> RestoredState:
+def fetch_checkpoint(checkpoint, store: Store) -> tuple[Path, bool]:
+    """A local copy of a checkpoint's files, downloaded once per node however many of its ranks
+    restore, and never rewritten once complete (`Store.cache_locally`: a lock and an atomic
+    rename). Ray's own `Checkpoint.as_directory` downloads again into the same directory
+    whenever a rank arrives after the first download ended, overwriting files that another
+    rank is reading: 3 workers on one node restoring after a kill read a torn `.metadata`.
+    Returns (directory, whether it is a copy to remove after the restore)."""
+    import pyarrow.fs as pafs
+
+    if isinstance(checkpoint.filesystem, pafs.LocalFileSystem):
+        return Path(checkpoint.path), False
+    root = ensure_private_dir(default_cache_root()) / "restore"
+    return store.cache_locally(f"s3://{checkpoint.path}", cache_root=root), True
+
+
+def restore(checkpoint, store: Store, model, optimizer, lora: bool) -> RestoredState:
     """Load the latest committed checkpoint into this rank's shards. DCP reshards, so the
-    world size may differ from the one that saved it."""
+    world size may differ from the one that saved it. Collective: every rank calls it."""
     if checkpoint is None:
         return RestoredState()
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    with checkpoint.as_directory() as local:
-        state_file = Path(local) / TRAIN_STATE
-        if not state_file.exists() or not (Path(local) / DCP_METADATA).exists():
-            raise RuntimeError(f"checkpoint {checkpoint.path} is incomplete (no {TRAIN_STATE} or .metadata)")
-        train_state = json.loads(state_file.read_text())
-        app_state = build_app_state(model, optimizer, lora)
-        dcp.load(app_state, checkpoint_id=str(local))
+    local, copied = fetch_checkpoint(checkpoint, store)
+    state_file = local / TRAIN_STATE
+    if not state_file.exists() or not (local / DCP_METADATA).exists():
+        raise RuntimeError(f"checkpoint {checkpoint.path} is incomplete (no {TRAIN_STATE} or .metadata)")
+    train_state = json.loads(state_file.read_text())
+    app_state = build_app_state(model, optimizer, lora)
+    dcp.load(app_state, checkpoint_id=str(local))
+    if copied:
+        # Every rank of the node has read its shards once all ranks have: the copy can go (a
+        # node that restarts many times would otherwise keep a copy of each checkpoint).
+        if dist.is_initialized():
+            dist.barrier()
+        shutil.rmtree(local, ignore_errors=True)
     opts = _state_dict_options(lora)
     set_model_state_dict(model, app_state["model"], options=opts)
     set_optimizer_state_dict(model, optimizer, app_state["optim"], options=opts)

@@ -262,7 +262,7 @@ def resume(w: Worker, config: dict) -> None:
     """The checkpoint's state, then what records this attempt: metrics, sinks, its start
     event and heartbeat, and what watches for a notice or a grow."""
     cfg, t = w.cfg, w.cfg.training
-    state = ckpt.restore(w.checkpoint, w.model, w.optimizer, lora=cfg.lora is not None)
+    state = ckpt.restore(w.checkpoint, w.store, w.model, w.optimizer, lora=cfg.lora is not None)
     w.marks["restored_at"] = time.time()
     w.step, w.rows_consumed = state.step, state.rows_consumed
     if w.rows_consumed != w.start_rows:
