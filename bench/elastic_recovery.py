@@ -87,27 +87,36 @@ def run_interrupted(cluster: chaos.LocalCluster, cfg, notice_s: float) -> dict:
     return summary
 
 
-def main() -> None:
+def run_both(steps: int, name: str, interrupt) -> tuple[dict, dict]:
+    """On one 3-node local cluster and local S3: the run uninterrupted, then as `name` while
+    `interrupt(cluster, cfg)` drives it. Returns both summaries."""
     import ray
 
+    from app.train.launch import run_training
+
+    with local.serve_s3():
+        cluster = chaos.start_cluster(worker_nodes=3)
+        try:
+            base = build_job("base", steps, "s3://eft/models/bench-tiny", "s3://eft/data/bench")
+            prepare_inputs(base)
+            plain = run_training(base.model_copy(update={"name": "uninterrupted"}))
+            hit = interrupt(cluster, base.model_copy(update={"name": name}))
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+    return plain, hit
+
+
+def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--notice-s", type=float, default=30.0)
     args = parser.parse_args()
 
     from app.report import format_restart_phases
-    from app.train.launch import run_training
 
-    with local.serve_s3():
-        cluster = chaos.start_cluster(worker_nodes=3)
-        try:
-            base = build_job("base", args.steps, "s3://eft/models/bench-tiny", "s3://eft/data/bench")
-            prepare_inputs(base)
-            plain = run_training(base.model_copy(update={"name": "uninterrupted"}))
-            hit = run_interrupted(cluster, base.model_copy(update={"name": "interrupted"}), args.notice_s)
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
+    plain, hit = run_both(args.steps, "interrupted",
+                          lambda cluster, cfg: run_interrupted(cluster, cfg, args.notice_s))
 
     rows = [[i["cause"], f"{i['world_size_before']}→{i['world_size_after']}", i["step_at_notice"],
              i.get("jit_checkpoint_step"), i["last_step_before"], i["resumed_from_step"], i["steps_lost"],

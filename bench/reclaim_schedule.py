@@ -22,12 +22,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app.dev import chaos, local  # noqa: E402
+from app.dev import chaos  # noqa: E402
 
 chaos.configure_fast_failure_detection()
 
 from bench.common import markdown_table, save_result  # noqa: E402
-from bench.elastic_recovery import build_job, prepare_inputs  # noqa: E402
+from bench.elastic_recovery import run_both  # noqa: E402
 
 
 def run_scheduled(cluster: chaos.LocalCluster, cfg, schedule: list, seed: int) -> dict:
@@ -49,8 +49,6 @@ def implied_goodput(cost_s: float, every_s: float) -> float:
 
 
 def main() -> None:
-    import ray
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--seed", type=int, default=0)
@@ -61,20 +59,9 @@ def main() -> None:
 
     from app.report import format_restart_phases
 
-    from app.train.launch import run_training
-
     schedule = chaos.build_reclaim_schedule(args.seed, args.steps, args.notices, args.kills, args.deadline_s)
-
-    with local.serve_s3():
-        cluster = chaos.start_cluster(worker_nodes=3)
-        try:
-            base = build_job("base", args.steps, "s3://eft/models/bench-tiny", "s3://eft/data/bench")
-            prepare_inputs(base)
-            plain = run_training(base.model_copy(update={"name": "uninterrupted"}))
-            hit = run_scheduled(cluster, base.model_copy(update={"name": "scheduled"}), schedule, args.seed)
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
+    plain, hit = run_both(args.steps, "scheduled",
+                          lambda cluster, cfg: run_scheduled(cluster, cfg, schedule, args.seed))
 
     restarts = hit["interruptions"]
     goodput = plain["wall_s"] / hit["wall_s"]

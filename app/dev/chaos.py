@@ -123,7 +123,8 @@ class RunWatcher:
             if step >= at_least:
                 return step
             time.sleep(0.2)
-        raise TimeoutError(f"{self.run_uri}: no step {at_least} (world size {world_size}) within {timeout_s}s")
+        ended = "" if self.alive() else " (the run ended)"
+        raise TimeoutError(f"{self.run_uri}: no step {at_least} (world size {world_size}) within {timeout_s}s{ended}")
 
     def events(self) -> list[dict]:
         return load_events(self.store, self.run_uri)
@@ -131,8 +132,7 @@ class RunWatcher:
     def wait_jit_checkpoint(self, after: float, timeout_s: float = 60) -> int:
         """Block until the run has recorded a pre-emption notice (one recorded after `after`)
         and its just-in-time checkpoint is complete in storage; returns that checkpoint's step:
-        the first late save's (`preemption_checkpoint` event; a faster save than planned may
-        be followed by another), or the notice's own step when the
+        the late save's (`preemption_checkpoint` event), or the notice's own step when the
         notice fell back to saving at once. TimeoutError, saying what is missing, if not
         within `timeout_s`."""
         deadline = time.time() + timeout_s
