@@ -55,9 +55,8 @@ def test_spot_reclaim_saves_late_drains_and_recomputes_nothing(spot_result):
     assert first["cause"] == "preemption" and first["steps_lost"] == 0 and first["steps_recomputed"] <= 1, first
     (notice,) = summary["preemption_notices"]
     assert 8 <= notice["step"] < STEPS and notice["plan"] == "late"  # mid-run, with room for a late save
-    # A save faster than planned trains on and saves again: the last late save is the one resumed.
-    first_late, late = summary["preemption_checkpoints"][0], summary["preemption_checkpoints"][-1]
-    assert late["notice_step"] == notice["step"] < first_late["step"] == log["jit_checkpoint_step"] <= late["step"]
+    (late,) = summary["preemption_checkpoints"]
+    assert late["notice_step"] == notice["step"] < late["step"] == log["jit_checkpoint_step"]
     assert late["time"] < notice["deadline_ms"] / 1000 and late["seconds_left"] > 0
     events = load_events(Store(), RUN)
     assert [e["step"] for e in events if e["kind"] == "draining"] == [late["step"]]
@@ -206,7 +205,6 @@ def test_watcher_saves_at_the_last_safe_step_then_drains_until_the_node_goes():
     assert [s for s, _ in collectives] == list(range(5, 21))
     clock.now += 3.0  # the save, as estimated: up 2 s before the deadline
     watcher.record_save(3.0, uploaded=True)
-    assert watcher.after_late_save(step)  # no room for another step and save: drain
     with pytest.raises(PreemptionDrained, match="node is gone"):
         watcher.drain(step)
     assert clock() == pytest.approx(1024.5, abs=0.5)  # waited for the node, not the deadline + grace
@@ -214,32 +212,6 @@ def test_watcher_saves_at_the_last_safe_step_then_drains_until_the_node_goes():
     assert checkpoint["kind"] == "preemption_checkpoint" and checkpoint["step"] == 20
     assert checkpoint["notice_step"] == 5 and checkpoint["seconds_left"] == 2.0
     assert draining["kind"] == "draining" and draining["nodes"] == ["node-c"]
-
-
-def test_a_late_save_faster_than_planned_trains_on_and_saves_again_nearer_the_deadline():
-    clock = FakeClock()
-    # A pessimistic first estimate (10 s): the late save comes at step 28 (12 s left)...
-    watcher, events, _, state = build_watcher(clock, {5: notice(1040.0)}, gone_at=1039.5, save_s=10.0)
-    step, decision = run_steps(watcher, clock, state, 40)
-    assert (step, decision.drain) == (28, True)
-    clock.now += 1.0  # ...but takes 1 s: 11 s left, room for steps and another save
-    watcher.record_save(1.0, uploaded=True)
-    assert not watcher.after_late_save(step)
-    for step in range(29, 60):
-        clock.now += 1.0
-        state["step"] = step
-        if (decision := watcher.after_step(step)) is not None:
-            break
-    # The next last safe boundary with the measured 1 s save: step 36, 3 s left (t=1037), then drain.
-    assert (step, decision.drain) == (36, True)
-    clock.now += 1.0
-    watcher.record_save(1.0, uploaded=True)
-    assert watcher.after_late_save(step)
-    with pytest.raises(PreemptionDrained):
-        watcher.drain(step)
-    assert [(e["kind"], e["step"]) for e in events] == [
-        ("preemption_notice", 5), ("preemption_checkpoint", 28), ("preemption_checkpoint", 36), ("draining", 36)]
-    assert events[2]["seconds_left"] == 2.0 and events[2]["notice_step"] == 5
 
 
 def test_watcher_falls_back_to_saving_at_once_when_the_deadline_is_too_close():

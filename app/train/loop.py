@@ -395,7 +395,7 @@ def maybe_checkpoint(w: Worker) -> None:
     if w.watcher is not None:
         w.watcher.record_save(time.monotonic() - began, uploaded=wait_for_upload)
     w.heartbeat.beat(step, force=True)
-    if just_in_time and just_in_time.drain and step < w.steps_total and w.watcher.after_late_save(step):
+    if just_in_time and just_in_time.drain and step < w.steps_total:
         w.heartbeat.flush()
         w.watcher.drain(step)  # raises once the node is gone: Ray restarts from this checkpoint
     if before_grow and step < w.steps_total:

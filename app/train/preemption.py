@@ -7,9 +7,7 @@ goes on and the just-in-time checkpoint is taken as late as is safe: at the last
 boundary after which another step plus a save would no longer fit before the deadline with a
 margin. After that save no step is taken (the group drains) until the node is gone or the
 deadline has passed; then every rank raises `PreemptionDrained` and Ray Train restarts the
-group from that checkpoint, so nothing done before the node went is thrown away. A save that
-turns out faster than planned leaves time for more steps: training goes on, and the next last
-safe boundary saves again.
+group from that checkpoint, so nothing done before the node went is thrown away.
 
 A notice without a deadline, or one too close for even one save, falls back to saving at
 once and training on (the old behaviour); the event says so.
@@ -160,32 +158,16 @@ class PreemptionWatcher:
         left = self.draining.deadline_ms / 1000 - self.clock()
         return SaveDecision(drain=True, reason=f"{left:.1f} s to the deadline")
 
-    def after_late_save(self, step: int) -> bool:
-        """Once a late save is up: record it, and say whether to drain now (True), or to train
-        on because the save came early (the estimate was high, or it ran faster than the last):
-        one more step and another save still fit before the deadline, so that time goes to
-        steps instead of idling, and the next last safe boundary saves again. The same answer
-        on every rank (one collective)."""
-        info = self.draining
-        left = info.deadline_ms / 1000 - self.clock()
-        self.record("preemption_checkpoint", step=step, notice_step=self.noticed_step,
-                    seconds_left=round(left, 2), save_s=round(self.save_s, 2))
-        _, save_now = self._decide(left)
-        if save_now:
-            return True
-        self.pending, self.draining = info, None
-        log.info("just-in-time checkpoint at step %d is up %.1f s before the deadline, room for more steps "
-                 "and another save (~%.1f s): training on", step, left, self.save_s)
-        return False
-
     def drain(self, step: int) -> None:
-        """After the last late save: take no more steps; wait until every node of the notice is
-        gone or the deadline (+ grace) has passed, then raise `PreemptionDrained`. Ray Train
-        itself tears the group down at the deadline; the grace only bounds the wait if it does not."""
+        """After the late save: take no more steps; wait until every node of the notice is gone
+        or the deadline (+ grace) has passed, then raise `PreemptionDrained`. Ray Train itself
+        tears the group down at the deadline; the grace only bounds the wait if it does not."""
         info = self.draining
         deadline = info.deadline_ms / 1000
         nodes = list(info.preempted_node_ids)
         left = deadline - self.clock()
+        self.record("preemption_checkpoint", step=step, notice_step=self.noticed_step,
+                    seconds_left=round(left, 2), save_s=round(self.save_s, 2))
         self.record("draining", step=step, nodes=nodes, seconds_left=round(left, 2))
         log.info("just-in-time checkpoint at step %d (notice at step %s), %.1f s before the deadline; "
                  "draining until the node goes", step, self.noticed_step, left)

@@ -94,7 +94,7 @@ def build_interruptions(events: list[dict], heartbeats: list[dict]) -> list[dict
             "cause": classify_interruption(between, before, after),
             "world_size_before": before["world_size"], "world_size_after": after["world_size"],
             "step_at_notice": notices[0]["step"] if notices else None,
-            "jit_checkpoint_step": late_saves[-1]["step"] if late_saves else None,
+            "jit_checkpoint_step": late_saves[0]["step"] if late_saves else None,
             "last_step_before": last,
             "resumed_from_step": resumed,
             "steps_lost": max(last - resumed, 0) if last is not None else None,
