@@ -101,8 +101,10 @@ def restart_worker(config: dict) -> None:
     import time
 
     entered = time.time()
+    import importlib
+
     import ray.train
-    import app.train.loop  # noqa: F401  (what the real train function's unpickling imports)
+    importlib.import_module("app.train.loop")  # what the real train function's unpickling imports
     imported = time.time()
     import torch
     import torch.distributed as dist
