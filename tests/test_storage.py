@@ -299,30 +299,75 @@ def test_tensorboard_event_files_go_up_once_each_and_read_back_in_order(s3, tmp_
         [(s, float(s)) for s in range(1, 9)] + [(s, 100.0 + s) for s in range(9, 15)]
 
 
-def test_a_restore_copy_is_fetched_once_per_node_and_never_rewritten_under_a_reader(s3, monkeypatch, tmp_path):
-    """Ray's `Checkpoint.as_directory` downloads again into the same directory when a rank
-    arrives after the first download, overwriting files another rank is reading. eft's copy
-    is made once; a rank that arrives later gets the same files, untouched."""
+def test_a_ranged_file_reads_what_the_file_holds_wherever_reads_fall():
+    """Random seeks and reads of any length, past the end too, against the bytes themselves:
+    whatever the read-ahead window holds or fetches, the answer is the file's. Reads in file
+    order fetch each byte once, in a few requests; reads apart fetch little more than asked."""
+    import random
+
+    import pyarrow as pa
+
+    from app.train.checkpoint import RangedFile
+
+    rng = random.Random(0)
+    content = bytes(rng.getrandbits(8) for _ in range(100_000))
+    f = RangedFile(pa.BufferReader(content), min_ahead=512, max_ahead=8192)
+    for _ in range(2000):
+        pos, n = rng.randrange(0, 100_500), rng.choice([1, 4, 30, 1000, 1024, 3000, 12_000])
+        assert f.seek(pos) == pos
+        assert f.read(n) == content[pos:pos + n], (pos, n)
+        assert f.tell() == max(min(pos + n, 100_000), pos)
+        assert bytes(f.read_range(pos, n)) == content[pos:pos + n], (pos, n)
+    assert f.seek(-22, 2) == 100_000 - 22 and f.read() == content[-22:]
+
+    f = RangedFile(pa.BufferReader(content), min_ahead=512, max_ahead=8192)
+    assert b"".join(iter(lambda: f.read(100), b"")) == content
+    assert f.bytes_read == 100_000 and f.requests <= 100_000 // 8192 + 6  # the window grew to 8 KB
+    f = RangedFile(pa.BufferReader(content), min_ahead=512, max_ahead=8192)
+    for pos in range(0, 100_000, 10_000):  # 10 small records far apart: a small request each
+        assert bytes(f.read_range(pos, 100)) == content[pos:pos + 100]
+    assert (f.requests, f.bytes_read) == (10, 10 * 512)
+
+
+def test_a_checkpoint_in_storage_is_read_by_ranges_of_what_is_loaded(s3, monkeypatch, tmp_path):
+    """Restore reads a checkpoint straight from the bucket: the records it loads and no others,
+    small ones many to a request, and the values exactly as saved. (No node downloads a
+    checkpoint whole, and no local copy can be rewritten under a rank still reading it.)"""
     import ray.train
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
 
-    from app.train.checkpoint import fetch_checkpoint
+    from app.train import checkpoint as ckpt
 
-    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the copy goes under the per-user cache root
+    torch.manual_seed(0)
+    saved = {"small": {f"t{i}": torch.randn(1000) for i in range(200)}, "big": torch.randn(500_000)}
+    dcp.save(saved, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
     store = Store()
-    uri = "s3://eft/restore-copy/checkpoint-000010"
-    store.write_bytes(join(uri, ".metadata"), b"m" * 1000)
-    store.write_bytes(join(uri, "__0_0.distcp"), b"d" * 5000)
+    uri = "s3://eft/ranged-restore/checkpoint-000010"
+    store.upload_dir(tmp_path / "ckpt", uri)
+    total = sum(p.stat().st_size for p in (tmp_path / "ckpt").iterdir())
     fs, path = store.resolve(uri)
-    checkpoint = ray.train.Checkpoint(path, filesystem=fs)
-    first, copied = fetch_checkpoint(checkpoint, store)
-    assert copied and (first / ".metadata").read_bytes() == b"m" * 1000 and store.bytes_read == 6000
-    reading = (first / ".metadata").open("rb")  # a rank still reading the first copy
-    inode = (first / ".metadata").stat().st_ino
-    later, _ = fetch_checkpoint(ray.train.Checkpoint(path, filesystem=fs), store)  # a rank arriving later
-    assert later == first and (later / ".metadata").stat().st_ino == inode
-    assert store.bytes_read == 6000 and store.bytes_cached == 6000  # nothing downloaded again
-    assert reading.read() == b"m" * 1000
-    reading.close()
-    local = tmp_path / "local-checkpoint"
-    local.mkdir()
-    assert fetch_checkpoint(ray.train.Checkpoint(str(local)), store) == (local, False)  # read in place
+    monkeypatch.setattr(ckpt, "READ_AHEAD_MAX_BYTES", 256 << 10)
+
+    def load(target: dict):
+        reader = ckpt.build_checkpoint_reader(ray.train.Checkpoint(path, filesystem=fs), store)
+        dcp.load(target, storage_reader=reader, no_dist=True)
+        return reader
+
+    everything = {"small": {k: torch.zeros(1000) for k in saved["small"]}, "big": torch.zeros(500_000)}
+    reader = load(everything)
+    assert torch.equal(everything["big"], saved["big"])
+    assert all(torch.equal(everything["small"][k], v) for k, v in saved["small"].items())
+    assert total <= reader.bytes_read < total * 1.1
+    # 201 records of 4-2,000 KB in a 3 MB file, read in order: the window grows to 256 KB, so a
+    # request per window, not one per record.
+    assert reader.requests < 30
+
+    only_small = {"small": {k: torch.zeros(1000) for k in saved["small"]}}
+    reader = load(only_small)
+    assert all(torch.equal(only_small["small"][k], v) for k, v in saved["small"].items())
+    assert reader.bytes_read < total / 2  # the big record stayed in the bucket
+
+    local = tmp_path / "ckpt"
+    assert isinstance(ckpt.build_checkpoint_reader(ray.train.Checkpoint(str(local)), store), FileSystemReader)

@@ -16,6 +16,8 @@ selection) reads the JSON sidecar and file listings, and never unpickles anythin
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import shutil
 import tempfile
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from app.storage import Store, StorageError, default_cache_root, ensure_private_dir, join
+from app.storage import Store, StorageError, join
 
 TRAIN_STATE = "train_state.json"
 SIDECAR = "checkpoint.json"
@@ -127,6 +129,7 @@ class RestoredState:
     step: int = 0
     rows_consumed: int = 0
     restored: bool = False
+    bytes_read: int = 0  # this rank's reads from storage (0 for a checkpoint on local disk)
 
 
 def _state_dict_options(lora: bool):
@@ -233,19 +236,146 @@ def peek_train_state(checkpoint) -> dict:
         raise RuntimeError(f"checkpoint {path} is incomplete (no {TRAIN_STATE})") from None
 
 
-def fetch_checkpoint(checkpoint, store: Store) -> tuple[Path, bool]:
-    """A local copy of a checkpoint's files, downloaded once per node however many of its ranks
-    restore, and never rewritten once complete (`Store.cache_locally`: a lock and an atomic
-    rename). Ray's own `Checkpoint.as_directory` downloads again into the same directory
-    whenever a rank arrives after the first download ended, overwriting files that another
-    rank is reading: 3 workers on one node restoring after a kill read a torn `.metadata`.
-    Returns (directory, whether it is a copy to remove after the restore)."""
+# A GET costs a round trip whatever its size, and DCP reads a LoRA checkpoint as thousands of
+# small records in file order: reads that follow each other fetch ahead, in a window that
+# doubles up to this size. A read elsewhere in the file starts the window small again.
+READ_AHEAD_MIN_BYTES = 64 << 10
+READ_AHEAD_MAX_BYTES = 8 << 20
+
+
+class RangedFile(io.RawIOBase):
+    """A remote checkpoint file read by ranged requests (`read_range`), for DCP's reader. Reads
+    in file order are served from a read-ahead window that grows while they stay in order, so
+    small records cost a request per window; a record read alone costs one request of its own
+    size, and little more (a rank reads other ranks' files only for the few records it needs
+    from them)."""
+
+    def __init__(self, f, min_ahead: Optional[int] = None, max_ahead: Optional[int] = None):
+        super().__init__()
+        self._f, self._size, self._pos = f, f.size(), 0
+        self._min_ahead = min_ahead or READ_AHEAD_MIN_BYTES
+        self._max_ahead = max_ahead or READ_AHEAD_MAX_BYTES
+        self._ahead = self._min_ahead
+        self._window, self._window_at = b"", 0
+        self.bytes_read = 0
+        self.requests = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(base + offset, 0)
+        return self._pos
+
+    def readinto(self, b) -> int:
+        data = self.read_range(self._pos, len(b))
+        memoryview(b)[:len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+    def read_range(self, offset: int, length: int) -> bytes:
+        """Bytes [offset, offset + length) of the file, fewer only past its end."""
+        length = max(min(length, self._size - offset), 0)
+        if not length:
+            return b""
+        start = offset - self._window_at
+        if 0 <= start and start + length <= len(self._window):
+            return self._window[start:start + length]
+        window_end = self._window_at + len(self._window)
+        in_order = self._window and self._window_at <= offset <= window_end + self._min_ahead
+        self._ahead = min(self._ahead * 2, self._max_ahead) if in_order else self._min_ahead
+        # What the window holds of the range is not fetched again.
+        head = self._window[start:] if self._window and 0 <= start < len(self._window) else b""
+        rest_at, rest = offset + len(head), length - len(head)
+        if rest >= self._max_ahead:  # a large record: exactly its bytes, kept nowhere (and not
+            return head + self._fetch(rest_at, rest)  # copied: BytesIO shares a bytes object)
+        self._window = self._fetch(rest_at, min(max(rest, self._ahead), self._size - rest_at))
+        self._window_at = rest_at
+        return head + self._window[:rest]
+
+    def _fetch(self, offset: int, length: int) -> bytes:
+        data = self._f.read_at(length, offset) if length else b""
+        self.bytes_read += len(data)
+        self.requests += 1
+        return data
+
+
+def build_checkpoint_reader(checkpoint, store: Store):
+    """DCP's reader for a checkpoint where it lies. In a bucket, each rank reads only the byte
+    ranges of the records it loads, straight from storage: no node downloads the checkpoint
+    whole (at 70B, full fine-tuning's optimizer state is most of a terabyte), and no local copy
+    can be overwritten under a rank still reading it."""
     import pyarrow.fs as pafs
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.filesystem import FileSystemBase
 
     if isinstance(checkpoint.filesystem, pafs.LocalFileSystem):
-        return Path(checkpoint.path), False
-    root = ensure_private_dir(default_cache_root()) / "restore"
-    return store.cache_locally(f"s3://{checkpoint.path}", cache_root=root), True
+        return FileSystemReader(checkpoint.path)
+    fs, root = store.resolve(f"s3://{checkpoint.path}")
+
+    class _RangedFileSystem(FileSystemBase):
+        """Read-only: what FileSystemReader asks of a file system, on pyarrow's."""
+
+        def __init__(self):
+            self.files: list[RangedFile] = []
+
+        @contextlib.contextmanager
+        def create_stream(self, path, mode):
+            if mode != "rb":
+                raise ValueError(f"{path}: a checkpoint in storage is read, never written, by restore")
+            with fs.open_input_file(str(path)) as f:
+                ranged = RangedFile(f)
+                self.files.append(ranged)
+                yield ranged
+
+        def concat_path(self, path, suffix):
+            return f"{str(path).rstrip('/')}/{suffix}"
+
+        def init_path(self, path):
+            return str(path)
+
+        def exists(self, path) -> bool:
+            return fs.get_file_info(str(path)).type != pafs.FileType.NotFound
+
+        @classmethod
+        def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+            return True
+
+        def rename(self, path, new_path):
+            raise NotImplementedError("read-only")
+
+        def mkdir(self, path):
+            raise NotImplementedError("read-only")
+
+        def rm_file(self, path):
+            raise NotImplementedError("read-only")
+
+    class _RangedReader(FileSystemReader):
+        def __init__(self):
+            super().__init__(root)
+            self.fs, self.path = _RangedFileSystem(), root
+
+        def _slice_file(self, file, sinfo):
+            # Each record's range is known: one read of it, then torch.load seeks in memory
+            # (through the stream it would seek remotely, end first, then start).
+            return io.BytesIO(file.read_range(sinfo.offset, sinfo.length))
+
+        @property
+        def bytes_read(self) -> int:
+            return sum(f.bytes_read for f in self.fs.files)
+
+        @property
+        def requests(self) -> int:
+            return sum(f.requests for f in self.fs.files)
+
+    return _RangedReader()
 
 
 def restore(checkpoint, store: Store, model, optimizer, lora: bool) -> RestoredState:
@@ -253,24 +383,15 @@ def restore(checkpoint, store: Store, model, optimizer, lora: bool) -> RestoredS
     world size may differ from the one that saved it. Collective: every rank calls it."""
     if checkpoint is None:
         return RestoredState()
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    local, copied = fetch_checkpoint(checkpoint, store)
-    state_file = local / TRAIN_STATE
-    if not state_file.exists() or not (local / DCP_METADATA).exists():
-        raise RuntimeError(f"checkpoint {checkpoint.path} is incomplete (no {TRAIN_STATE} or .metadata)")
-    train_state = json.loads(state_file.read_text())
+    train_state = peek_train_state(checkpoint)
+    reader = build_checkpoint_reader(checkpoint, store)
     app_state = build_app_state(model, optimizer, lora)
-    dcp.load(app_state, checkpoint_id=str(local))
-    if copied:
-        # Every rank of the node has read its shards once all ranks have: the copy can go (a
-        # node that restarts many times would otherwise keep a copy of each checkpoint).
-        if dist.is_initialized():
-            dist.barrier()
-        shutil.rmtree(local, ignore_errors=True)
+    dcp.load(app_state, storage_reader=reader)
     opts = _state_dict_options(lora)
     set_model_state_dict(model, app_state["model"], options=opts)
     set_optimizer_state_dict(model, optimizer, app_state["optim"], options=opts)
-    return RestoredState(int(train_state["step"]), int(train_state["rows_consumed"]), True)
+    return RestoredState(int(train_state["step"]), int(train_state["rows_consumed"]), True,
+                         bytes_read=getattr(reader, "bytes_read", 0))

@@ -262,8 +262,12 @@ def resume(w: Worker, config: dict) -> None:
     """The checkpoint's state, then what records this attempt: metrics, sinks, its start
     event and heartbeat, and what watches for a notice or a grow."""
     cfg, t = w.cfg, w.cfg.training
+    restore_started = time.time()
     state = ckpt.restore(w.checkpoint, w.store, w.model, w.optimizer, lora=cfg.lora is not None)
     w.marks["restored_at"] = time.time()
+    if state.restored and w.rank == 0:
+        log.info("restored step %d in %.1f s (%.1f MB read from storage by rank 0)", state.step,
+                 w.marks["restored_at"] - restore_started, state.bytes_read / 1e6)
     w.step, w.rows_consumed = state.step, state.rows_consumed
     if w.rows_consumed != w.start_rows:
         raise RuntimeError(f"checkpoint {w.checkpoint.path}: train_state changed while loading "
