@@ -294,8 +294,9 @@ class RangedFile(io.RawIOBase):
         # What the window holds of the range is not fetched again.
         head = self._window[start:] if self._window and 0 <= start < len(self._window) else b""
         rest_at, rest = offset + len(head), length - len(head)
-        if rest >= self._max_ahead:  # a large record: exactly its bytes, kept nowhere (and not
-            return head + self._fetch(rest_at, rest)  # copied: BytesIO shares a bytes object)
+        if rest >= self._max_ahead:
+            # A large record: exactly its bytes, kept nowhere (the BytesIO around it shares them).
+            return head + self._fetch(rest_at, rest)
         self._window = self._fetch(rest_at, min(max(rest, self._ahead), self._size - rest_at))
         self._window_at = rest_at
         return head + self._window[:rest]
@@ -319,6 +320,9 @@ def build_checkpoint_reader(checkpoint, store: Store):
     if isinstance(checkpoint.filesystem, pafs.LocalFileSystem):
         return FileSystemReader(checkpoint.path)
     fs, root = store.resolve(f"s3://{checkpoint.path}")
+
+    # Classes local to this function: `eft status` and `report` import this module, and
+    # should not pay for importing torch.
 
     class _RangedFileSystem(FileSystemBase):
         """Read-only: what FileSystemReader asks of a file system, on pyarrow's."""
