@@ -37,7 +37,15 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import RESULTS, markdown_table, save_result  # noqa: E402
 
-# One worker's start, phase by phase. argv: base model dir, a file for the gloo rendezvous.
+def floor_job(base: str) -> dict:
+    """The job every worker here builds the model of: the benchmarks' tiny Llama + LoRA."""
+    return {"name": "floor", "model": {"uri": base}, "data": {"uri": "/tmp/floor-data"},
+            "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                               "up_proj", "down_proj"]},
+            "training": {"max_steps": 1}, "storage": {"root_uri": "/tmp/floor-runs"}}
+
+
+# One worker's start, phase by phase. argv: the job (JSON), a file for the gloo rendezvous.
 WORKER = r"""
 import json, resource, sys, time
 marks = [("started", time.time())]
@@ -54,11 +62,7 @@ from app.config import build_config
 from app.storage import Store
 from app.train.model import build_model
 dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
-cfg = build_config({"name": "floor", "model": {"uri": sys.argv[1]}, "data": {"uri": "/tmp/floor-data"},
-                    "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj",
-                                                                       "gate_proj", "up_proj", "down_proj"]},
-                    "training": {"max_steps": 1}, "storage": {"root_uri": "/tmp/floor-runs"}})
-build_model(cfg, Store(), torch.device("cpu"), 0, 1)
+build_model(build_config(json.loads(sys.argv[1])), Store(), torch.device("cpu"), 0, 1)
 marks.append(("model_built", time.time())); cpus.append(cpu())
 dist.destroy_process_group()
 print("FLOOR " + json.dumps({"marks": marks, "cpu": cpus}))
@@ -71,11 +75,11 @@ PHASES = [("imports_ray_torch", "Ray, ray.train.torch, torch"), ("imports_train_
 def start_workers(n: int, base: str, tmp: Path) -> list[dict]:
     """n fresh worker processes at once; per worker, wall and CPU seconds per phase, timed from
     its spawn."""
-    procs = []
+    procs, job = [], json.dumps(floor_job(base))
     for i in range(n):
         rendezvous = tmp / f"pg-{time.monotonic_ns()}-{i}"
         spawned = time.time()
-        procs.append((spawned, subprocess.Popen([sys.executable, "-c", WORKER, base, str(rendezvous)], cwd=ROOT,
+        procs.append((spawned, subprocess.Popen([sys.executable, "-c", WORKER, job, str(rendezvous)], cwd=ROOT,
                                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)))
     out = []
     for spawned, proc in procs:
@@ -142,14 +146,10 @@ def measure_ray_train_restart(base: str, tmp: Path, workers: int = 2) -> dict:
 
     marks = tmp / "marks"
     marks.mkdir()
-    cfg = {"name": "floor", "model": {"uri": base}, "data": {"uri": "/tmp/floor-data"},
-           "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                              "up_proj", "down_proj"]},
-           "training": {"max_steps": 1}, "storage": {"root_uri": "/tmp/floor-runs"}}
     # Logical CPUs above the cores: the controller and Ray's helper actors need some too.
     ray.init(num_cpus=workers + 4, include_dashboard=True, log_to_driver=False)
     try:
-        TorchTrainer(restart_worker, train_loop_config={"cfg": cfg, "marks": str(marks)},
+        TorchTrainer(restart_worker, train_loop_config={"cfg": floor_job(base), "marks": str(marks)},
                      scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 1}),
                      run_config=RunConfig(name="restart-floor", storage_path=str(tmp / "ray"),
                                           failure_config=FailureConfig(max_failures=1))).fit()
