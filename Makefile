@@ -1,4 +1,4 @@
-# Front door: `make install`, `make demo`, `make test`, `make clean`.
+# Front door: `make demo`, `make test`, `make test-fast`, `make install`, `make clean`.
 # Everything runs from a project-local virtualenv, so a fresh clone needs only python3.
 
 VENV := .venv
@@ -6,24 +6,42 @@ PYTHON := python3
 # A CPU build that lies on local disk (pip finds it via its find-links). Installed before the
 # project so that pip does not resolve a plain `torch` to a multi-GB CUDA build.
 TORCH := torch==2.13.0
+PYTEST := $(VENV)/bin/pytest -q -p no:cacheprovider
+# Tiers from tests/conftest.py: the fast one runs in parallel; the rest one test at a time, since
+# its spot and outage scenarios time real restarts on a 2-core box.
+FAST := -m "not cluster and not e2e"
+SLOW := -m "cluster or e2e"
 
-.PHONY: install demo test clean
+.PHONY: install demo test test-fast clean
 
+# `make install`: eft and the local stack `make demo` runs on. `make test` adds the test tools.
 install: $(VENV)/.installed
 
-# The stamp makes install a no-op until pyproject.toml changes.
-$(VENV)/.installed: pyproject.toml
+$(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install --upgrade pip
-	$(VENV)/bin/pip install $(TORCH)
-	$(VENV)/bin/pip install -e '.[test]'
+	$(VENV)/bin/pip install -q $(TORCH)
+
+# The stamps make installs no-ops until pyproject.toml changes.
+$(VENV)/.installed: pyproject.toml | $(VENV)/bin/python
+	$(VENV)/bin/pip install -q -e '.[local]'
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml $(VENV)/.installed
+	$(VENV)/bin/pip install -q -e '.[local,test]'
 	touch $@
 
 demo: install
 	$(VENV)/bin/eft demo
 
-test: install
-	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=30 || { rc=$$?; $(VENV)/bin/python tests/report_crash.py; exit $$rc; }
+# Everything: the fast tier in parallel, then the cluster and end-to-end tiers. When pytest dies
+# without a summary (a Ray driver whose raylet died leaves with _exit(1)), say why.
+test: $(VENV)/.installed-test
+	$(PYTEST) $(FAST) -n auto --durations=10 && $(PYTEST) $(SLOW) --durations=30 \
+		|| { rc=$$?; $(VENV)/bin/python tests/report_crash.py; exit $$rc; }
+
+# The inner loop: the tests that start no Ray and no training processes.
+test-fast: $(VENV)/.installed-test
+	$(PYTEST) $(FAST) -n auto --durations=10
 
 # Leaves .eft/ alone: it holds the local stack (`eft local down` stops and owns it).
 clean:

@@ -13,3 +13,9 @@ class _DropTorchaoImportNoise(logging.Filter):
 
 logging.getLogger("torchao").setLevel(logging.ERROR)
 logging.getLogger("torch.utils._pytree").addFilter(_DropTorchaoImportNoise())
+
+# One warning, at import, when Ray or torch is outside the versions eft's private-API shims were
+# checked on (app/compat.py).
+from app.compat import check_versions  # noqa: E402
+
+check_versions()

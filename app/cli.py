@@ -24,6 +24,15 @@ def _load(args):
 
 
 def cmd_config(args) -> int:
+    if args.reference:
+        from app.config_reference import render_reference
+
+        print(render_reference(), end="")
+        return 0
+    if not args.config:
+        from app.config import ConfigError
+
+        raise ConfigError("config: give a job CONFIG to validate, or --reference")
     from app.config import dump_config
 
     print(dump_config(_load(args)), end="")
@@ -74,11 +83,11 @@ def cmd_local(args) -> int:
 
 
 def cmd_prepare(args) -> int:
-    from app.data.prepare import prepare_dataset
-
-    cfg = _load(args)
+    cfg = _load(args)  # before the heavy imports: a config error is one line in well under a second
     if cfg.prepare is None:
         raise ValueError(f"{args.config}: prepare: section missing (needed by `eft prepare`)")
+    from app.data.prepare import prepare_dataset
+
     if args.preview is not None:
         from rich.console import Console
 
@@ -95,18 +104,20 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_train(args) -> int:
+    cfg = _load(args)
     from app.report import render_summary
     from app.train.launch import run_training
 
-    summary = run_training(_load(args))
+    summary = run_training(cfg)
     render_summary(summary)
     return 0
 
 
 def cmd_export(args) -> int:
+    cfg = _load(args)
     from app.export import export_run
 
-    out = export_run(_load(args), checkpoint_uri=args.checkpoint, merge=args.merge)
+    out = export_run(cfg, checkpoint_uri=args.checkpoint, merge=args.merge)
     print(json.dumps(out, indent=2))
     return 0
 
@@ -119,16 +130,18 @@ def cmd_demo(args) -> int:
 
 
 def cmd_manifests(args) -> int:
-    from app import kube
     from app.config import ConfigError
 
     if args.check:
+        from app import kube
+
         count, violations = kube.check_path(args.check, args.crd_dir)
         # Errors on stdout (one line each, as before); warnings on stderr: they do not fail the check.
         for violation in violations:
             print(violation, file=sys.stdout if violation.severity == kube.ERROR else sys.stderr)
         if errors := kube.errors_of(violations):
-            print(f"eft: {len(errors)} violation(s) in {count} manifest(s)", file=sys.stderr)
+            # The one line a user reads names where the first problem is and what it is.
+            print(f"eft: {len(errors)} violation(s) in {count} manifest(s), the first: {errors[0]}", file=sys.stderr)
             return EXIT_FAILED
         print(f"ok: {count} manifest(s) pass the KubeRay CRD schemas and the policy checks")
         return 0
@@ -136,7 +149,10 @@ def cmd_manifests(args) -> int:
         raise ConfigError("manifests: give a job CONFIG to render, or --check DIR")
     if not args.out:
         raise ConfigError("--out: required (the directory to write the manifests to)")
-    manifests, warnings = kube.render_checked(_load(args), args.overlay, args.image, args.node_type, args.crd_dir)
+    cfg = _load(args)
+    from app import kube
+
+    manifests, warnings = kube.render_checked(cfg, args.overlay, args.image, args.node_type, args.crd_dir)
     # The same image warning holds for every container: say it once.
     for message in dict.fromkeys(w.message for w in warnings):
         print(f"eft: warning: {message}", file=sys.stderr)
@@ -147,9 +163,9 @@ def cmd_manifests(args) -> int:
 
 
 def cmd_plan(args) -> int:
+    cfg = _load(args)
     from app.plan import plan_job, render_plan
 
-    cfg = _load(args)
     plan, source = plan_job(cfg, node_type=args.node_type)
     if args.json:
         print(json.dumps({"config": args.config, "gpu_memory_from": source, **plan.to_dict()}, indent=2))
@@ -171,7 +187,7 @@ def cmd_status(args) -> int:
     from app.report import build_status, load_run, render_status
     from app.storage import Store
 
-    status = build_status(load_run(Store(), args.run_uri))
+    status = build_status(load_run(Store(interactive=True), args.run_uri))
     if args.json:
         print(json.dumps(status, indent=2))
     else:
@@ -183,7 +199,7 @@ def cmd_report(args) -> int:
     from app.report import load_run, save_report
     from app.storage import Store
 
-    store = Store()
+    store = Store(interactive=True)
     for uri in save_report(store, load_run(store, args.run_uri), out_uri=args.out):
         print(uri)
     return 0
@@ -210,7 +226,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="override a config value, e.g. --set training.max_steps=200")
         return p
 
-    with_config(sub.add_parser("config", help="validate and print the resolved config")).set_defaults(fn=cmd_config)
+    p = sub.add_parser("config", help="validate and print the resolved config, or --reference: every key")
+    p.add_argument("config", nargs="?", help="job YAML")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
+    p.add_argument("--reference", action="store_true",
+                   help="print the config reference (Markdown, generated from the models: docs/config.md)")
+    p.set_defaults(fn=cmd_config)
     p = sub.add_parser("local", help="the embedded S3 endpoint + Ray head on loopback")
     p.add_argument("action", choices=["up", "down", "status", "env"])
     p.add_argument("--state-dir", default=".eft", help="where the stack records its PIDs (default .eft)")

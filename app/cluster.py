@@ -31,6 +31,19 @@ def default_num_cpus() -> int:
     return max(8, 4 * (os.cpu_count() or 2))
 
 
+# Ray's own setting (a RayConfig entry, read from the environment by the raylet) for how many
+# worker processes a node starts at once. Ray derives it from the node's cores (2 here), while a
+# one-machine eft Ray has 4x as many logical CPUs so that Ray Data runs beside the training
+# workers; the raylet then warns at every start that it has run 4x more workers than expected.
+STARTUP_CONCURRENCY_ENV = "RAY_worker_maximum_startup_concurrency"
+
+
+def startup_env(num_cpus: int) -> dict[str, str]:
+    """The environment a one-machine Ray head starts with: its worker pool sized to its logical
+    CPUs, as it would be on a machine with that many cores (an explicit setting wins)."""
+    return {STARTUP_CONCURRENCY_ENV: os.environ.get(STARTUP_CONCURRENCY_ENV) or str(num_cpus)}
+
+
 def write_token(path: Path) -> Path:
     """A fresh random token at `path`, readable by this user alone (created 0600, never wider)."""
     path = Path(path)
@@ -66,10 +79,9 @@ def refresh_ray_auth() -> None:
     """Ray reads its auth mode and token once per process: an `import ray` before the variables
     were set would keep the old ones. Re-read them, as Ray does when it turns token auth on
     itself; only valid before this process joins or starts a cluster."""
-    from ray._raylet import AuthenticationTokenLoader, Config
+    from app.compat import reload_ray_auth
 
-    Config.initialize("")
-    AuthenticationTokenLoader.instance().reset_cache()
+    reload_ray_auth()
 
 
 def init_ray(num_cpus: int | None = None, **kwargs) -> None:
@@ -92,6 +104,8 @@ def init_ray(num_cpus: int | None = None, **kwargs) -> None:
                                "(for the local stack: eval \"$(eft local env)\")") from err
         return
     require_token_auth()
+    num_cpus = num_cpus or default_num_cpus()
+    os.environ.update(startup_env(num_cpus))  # the raylet this starts inherits it
     # The dashboard serves the state API that Ray Train's placement-group cleaner polls.
     # address="local": never join some other cluster that happens to run on this machine.
-    ray.init(address="local", num_cpus=num_cpus or default_num_cpus(), include_dashboard=True, **kwargs)
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, **kwargs)

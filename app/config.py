@@ -15,7 +15,7 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from app.train.batch import BatchPlan
+from app.batch import BatchPlan
 
 
 class ConfigError(ValueError):
@@ -58,22 +58,34 @@ def locations_overlap(a: str, b: str) -> bool:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # Each field's docstring is its description: what `eft config --reference` prints.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
 
 class ModelConfig(_Strict):
-    uri: str = Field(description="Hugging Face model dir: s3://bucket/prefix, file:// or a local path")
-    # "auto": bf16 on GPU, fp32 on CPU (CPU has no fast bf16 matmul and the tests want exact fp32).
+    """The base model."""
+
+    uri: str
+    """Hugging Face model dir: `s3://bucket/prefix`, `file://` or a local path (config.json, safetensors
+    weights, tokenizer files)."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Storage dtype of the base weights. `auto`: bf16 for a LoRA base on GPU, fp32 otherwise (CPU has
+    no fast bf16 matmul, and the tests want exact fp32)."""
 
 
 class LoraConfig(_Strict):
+    """LoRA adapters (PEFT). Leave the section out (or set it to null) for a full fine-tune."""
+
     r: int = Field(16, gt=0)
+    """Adapter rank."""
     alpha: float = Field(32.0, gt=0)
+    """Adapter scale numerator (the update is scaled by alpha / r)."""
     dropout: float = Field(0.0, ge=0, lt=1)
-    # PEFT's rule for a list: each name matches a module whose dotted name is it or ends in ".<name>"
-    # (no regexes); preflight checks each one against the model's modules.
+    """Dropout on the adapters' input; its masks are keyed on (seed, step, row), the same at every
+    world size."""
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    """Modules to adapt, by PEFT's rule for a list: each name matches a module whose dotted name is it
+    or ends in `.<name>` (no regexes). Preflight checks each against the model's modules."""
 
     @field_validator("target_modules")
     @classmethod
@@ -85,25 +97,31 @@ class LoraConfig(_Strict):
             raise ValueError(f"{targets}: a module name is empty")
         return targets
 
-    # QLoRA: the frozen base's linear weights are held in 4-bit NF4 (torchao), the adapters train
-    # on top in the compute dtype; checkpoints and exports hold the adapters only.
     quantize_base: Optional[Literal["nf4"]] = None
-    # Under FSDP2: replicated keeps the adapters whole on every rank and all-reduces their gradients
-    # once per optimizer step, while the frozen base stays sharded (fast: no per-micro-batch gathers
-    # of hundreds of small tensors); sharded shards them with their block like the base, for
-    # adapters too big to hold whole on each GPU (16 bytes a parameter with AdamW). DDP ignores it.
+    """QLoRA: hold the frozen base's decoder linears in 4-bit NF4 (torchao); the adapters train on top
+    in the compute dtype. Checkpoints and exports hold the adapters only."""
     fsdp_adapters: Literal["replicated", "sharded"] = "replicated"
+    """Under FSDP2: `replicated` keeps the adapters whole on every rank and all-reduces their gradients
+    once per optimizer step, while the frozen base stays sharded (no per-micro-batch gathers of
+    hundreds of small tensors); `sharded` shards them with their block, for adapters too big to hold
+    whole on each GPU (16 bytes a parameter with AdamW). DDP ignores it."""
 
 
 class DataConfig(_Strict):
-    uri: str = Field(description="prepared dataset prefix (holds manifest.json once committed)")
+    """The prepared dataset training reads."""
+
+    uri: str
+    """Prepared dataset prefix (it holds manifest.json once committed); neither inside
+    `storage.root_uri` nor containing it."""
     seq_len: int = Field(2048, gt=1)
-    # Documents held out for validation at prepare time (by a hash of their source position).
+    """Tokens per packed row; at most the model's `max_position_embeddings` (checked by `eft prepare`
+    and `eft train`)."""
     validation_fraction: float = Field(0.0, ge=0, lt=1)
-    # false: attention stays inside each packed document (the shards' position_ids restart at every
-    # document start and transformers builds a block-causal mask from them). true: every token of a
-    # row attends to everything before it, across documents (no position_ids passed).
+    """Documents held out for validation at prepare time, by a hash of their source position."""
     cross_document_attention: bool = False
+    """`false`: attention stays inside each packed document (the shards' position_ids restart at every
+    document start and transformers builds a block-causal mask from them). `true`: every token of a
+    row attends to everything before it, across documents."""
 
     @field_validator("uri")
     @classmethod
@@ -114,19 +132,31 @@ class DataConfig(_Strict):
 class InputSource(_Strict):
     """One source of a mixture (`prepare.inputs`). Unset record keys fall back to the prepare
     section's; the chat template (prepare.chat_template or the tokenizer's) is shared."""
-    uri: str = Field(description="raw JSONL or Parquet file or prefix")
-    # Relative share of documents in the mixture (any positive numbers; normalised by their sum).
+
+    uri: str
+    """Raw JSONL or Parquet file or prefix."""
     weight: float = Field(1.0, gt=0)
+    """Relative share of documents in the mixture (any positive numbers; normalised by their sum)."""
     input_format: Optional[Literal["jsonl", "parquet"]] = None
+    """As `prepare.input_format`, for this source."""
     format: Optional[Literal["text", "instruction", "chat", "sharegpt"]] = None
+    """As `prepare.format`, for this source."""
     text_field: Optional[str] = None
+    """As `prepare.text_field`, for this source."""
     prompt_field: Optional[str] = None
+    """As `prepare.prompt_field`, for this source."""
     response_field: Optional[str] = None
+    """As `prepare.response_field`, for this source."""
     messages_field: Optional[str] = None
+    """As `prepare.messages_field`, for this source."""
     conversations_field: Optional[str] = None
+    """As `prepare.conversations_field`, for this source."""
     sharegpt_roles: Optional[dict[str, Literal["system", "user", "assistant", "tool"]]] = None
+    """As `prepare.sharegpt_roles`, for this source."""
     train_on: Optional[Literal["assistant", "last_assistant", "all"]] = None
+    """As `prepare.train_on`, for this source."""
     overlong: Optional[Literal["drop", "truncate", "split"]] = None
+    """As `prepare.overlong`, for this source."""
 
 
 # The keys an `inputs` entry may set for itself (the rest of the prepare section is shared).
@@ -135,54 +165,74 @@ SOURCE_KEYS = ("input_format", "format", "text_field", "prompt_field", "response
 
 
 class PrepareConfig(_Strict):
-    # Exactly one of input_uri (one source) and inputs (a mixture; see "Mixing datasets" in the README).
-    input_uri: Optional[str] = Field(None, description="raw JSONL or Parquet file or prefix")
-    # Several sources mixed into one dataset: [{uri, weight, <any of SOURCE_KEYS>}, ...]. Weights are
-    # relative proportions of documents (parsed records; over-long drops happen after selection).
-    # Without replacement (default) the mixture is the largest one the weights allow (the source that
-    # runs out first limits it) or exactly mix_documents; with replacement it has mix_documents
-    # documents (default: the sum of the sources' documents). Deterministic under mix_seed, which
-    # is independent of training.seed. Local engine only (engine auto picks it).
+    """`eft prepare`: raw records to packed, tokenized shards at `data.uri`."""
+
+    input_uri: Optional[str] = None
+    """Raw JSONL or Parquet file or prefix (one source). Exactly one of `input_uri` and `inputs`."""
     inputs: Optional[list[InputSource]] = None
+    """A mixture of several sources, `[{uri, weight, <per-source record keys>}, ...]`. Weights are
+    relative proportions of documents (parsed records; over-long drops happen after selection).
+    Deterministic under `mix_seed`. Local engine only (`engine: auto` picks it)."""
     mix_replacement: bool = False
+    """Without replacement the mixture is the largest one the weights allow (the source that runs out
+    first limits it) or exactly `mix_documents`; with replacement it has `mix_documents` documents
+    (default: the sum of the sources' documents)."""
     mix_documents: Optional[int] = Field(None, gt=0)
+    """Documents in the mixture."""
     mix_seed: int = 0
+    """Which documents a mixture picks and how they interleave; independent of `training.seed`."""
     input_format: Literal["jsonl", "parquet"] = "jsonl"
+    """Format of the raw files."""
     format: Literal["text", "instruction", "chat", "sharegpt"] = "text"
+    """Record format: plain text, prompt/response pairs, OpenAI-style `messages`, or ShareGPT
+    `conversations`."""
     text_field: str = "text"
+    """Field of a `text` record."""
     prompt_field: str = "instruction"
+    """Prompt field of an `instruction` record (its tokens are not trained)."""
     response_field: str = "response"
-    # Conversations (format chat: OpenAI-style {role, content} messages; sharegpt: {from, value}),
-    # rendered by the tokenizer's chat template or by `chat_template` (a Jinja file, path or URI).
+    """Response field of an `instruction` record."""
     messages_field: str = "messages"
+    """Field of a `chat` record: a list of `{role, content}` messages."""
     conversations_field: str = "conversations"
+    """Field of a `sharegpt` record: a list of `{from, value}` turns."""
     sharegpt_roles: dict[str, Literal["system", "user", "assistant", "tool"]] = Field(
-        default_factory=lambda: {"human": "user", "gpt": "assistant", "system": "system"},
-        description="ShareGPT `from` → role; replaces the default mapping whole")
-    chat_template: Optional[str] = Field(None, description="Jinja chat template file; default: the tokenizer's")
-    # Which tokens of a conversation are trained: every assistant turn (content + end-of-turn
-    # marker), only the last one, or every token.
+        default_factory=lambda: {"human": "user", "gpt": "assistant", "system": "system"})
+    """ShareGPT `from` → role; replaces the default mapping whole."""
+    chat_template: Optional[str] = None
+    """Jinja chat template file (path or URI) conversations are rendered with; default: the
+    tokenizer's. Checked to compile before any record is read."""
     train_on: Literal["assistant", "last_assistant", "all"] = "assistant"
-    # A document longer than data.seq_len: split over rows, drop it, or truncate it (whole leading
-    # turns through the last assistant turn that fits). Default: split for text and instruction,
-    # drop for chat and sharegpt.
+    """Which tokens of a conversation are trained: every assistant turn (content and end-of-turn
+    marker), only the last one, or every token."""
     overlong: Optional[Literal["drop", "truncate", "split"]] = None
-    tokenizer_uri: Optional[str] = Field(None, description="defaults to model.uri")
+    """A document longer than `data.seq_len`: split it over rows, drop it, or truncate it (whole
+    leading turns through the last assistant turn that fits). Default: `split` for text and
+    instruction, `drop` for chat and sharegpt."""
+    tokenizer_uri: Optional[str] = None
+    """Tokenizer dir; default: `model.uri`."""
     rows_per_shard: int = Field(1024, gt=0)
+    """Packed rows per Parquet shard."""
     max_bad_records: int = Field(100, ge=0)
+    """Records that fail to parse before prepare fails, naming the first ones."""
     tokenize_batch_size: int = Field(256, gt=0)
-    # Where tokenizing runs. "local": in this process, on a thread per core (the Rust tokenizer
-    # releases the GIL); no Ray start-up, so it wins on inputs one machine tokenizes in seconds to
-    # minutes. "ray": a Ray Data actor pool across the cluster, for corpora that need more than one
-    # machine. "auto": local up to local_max_input_mb of input files, else ray.
+    """Records tokenized per call."""
     engine: Literal["auto", "local", "ray"] = "auto"
+    """Where tokenizing runs. `local`: in this process, a thread per core (the Rust tokenizer releases
+    the GIL; no Ray start-up). `ray`: a Ray Data actor pool across the cluster, for corpora that need
+    more than one machine. `auto`: local up to `local_max_input_mb` of input files, else ray."""
     local_max_input_mb: float = Field(256.0, ge=0)
-    local_threads: Optional[int] = Field(None, gt=0, description="local engine; default: this process's usable cores")
+    """Input size up to which `engine: auto` picks the local engine."""
+    local_threads: Optional[int] = Field(None, gt=0)
+    """Local engine threads; default: this process's usable cores."""
     num_tokenizer_actors: int = Field(2, gt=0)
+    """Ray engine: tokenizer actors."""
     overwrite: bool = False
+    """Replace a dataset already committed at `data.uri` (refused while a run reads it)."""
 
     @model_validator(mode="after")
     def _one_input(self) -> "PrepareConfig":
+        """Exactly one of `input_uri` and `inputs`; a mixture is not empty and runs on the local engine."""
         if self.input_uri is not None and self.inputs is not None:
             raise ValueError("set prepare.input_uri or prepare.inputs, not both")
         if self.input_uri is None and self.inputs is None:
@@ -206,83 +256,119 @@ class PrepareConfig(_Strict):
 
 
 class TrainingConfig(_Strict):
-    global_batch_size: int = Field(8, gt=0, description="sequences per optimizer step, at every world size")
-    micro_batch_size: int = Field(1, gt=0, description="sequences per forward/backward on one worker")
+    """The optimization."""
+
+    global_batch_size: int = Field(8, gt=0)
+    """Sequences per optimizer step, at every world size."""
+    micro_batch_size: int = Field(1, gt=0)
+    """Sequences per forward/backward on one worker."""
     lr: float = Field(2e-4, gt=0)
+    """Peak learning rate (AdamW, betas 0.9 / 0.95)."""
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    """The schedule's floor, as a fraction of `lr`."""
     warmup_steps: int = Field(0, ge=0)
+    """Linear warmup, in optimizer steps."""
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """Decay after warmup, keyed on optimizer steps (a resize does not bend it)."""
     max_steps: Optional[int] = Field(None, gt=0)
+    """Optimizer steps to train; exactly one of `max_steps` and `epochs`."""
     epochs: Optional[float] = Field(None, gt=0)
+    """Passes over the train rows; exactly one of `max_steps` and `epochs`."""
     weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
     grad_clip_norm: Optional[float] = Field(1.0, gt=0)
-    # numpy and torch both take any seed in 0..2**32-1.
+    """Clip the global gradient norm to this; null: no clipping."""
     seed: int = Field(0, ge=0, le=2**32 - 1)
+    """Orders the rows and seeds adapter init and dropout; part of the run's identity."""
     activation_checkpointing: bool = False
+    """Recompute each decoder block's activations in backward instead of keeping them."""
     mixed_precision: Literal["auto", "bf16", "fp32"] = "auto"
-    # auto: DDP where `eft plan` says a replicated model fits each GPU at every world size in
-    # scaling.min..max_workers, else FSDP2 (the launcher logs the numbers behind the choice).
+    """Compute dtype: `auto` is bf16 on GPU, fp32 on CPU."""
     parallelism: Literal["auto", "fsdp", "ddp"] = "auto"
-    # chunked: cross-entropy over chunks of loss_chunk_tokens positions from the final hidden states,
-    # so the full [tokens, vocab] logits never exist at once. liger: liger-kernel's fused linear
-    # cross-entropy (GPU, the `liger` extra). full: logits for the whole micro-batch, then the loss.
+    """`auto`: DDP where `eft plan` says a replicated model fits each GPU at every world size in
+    `scaling.min_workers..max_workers`, else FSDP2 (the launcher logs the numbers behind the
+    choice); FSDP2 on CPU."""
     loss: Literal["chunked", "liger", "full"] = "chunked"
+    """`chunked`: cross-entropy over `loss_chunk_tokens` positions at a time from the final hidden
+    states, so the full [tokens, vocab] logits never exist at once. `liger`: liger-kernel's fused
+    linear cross-entropy (GPU, the `liger` extra). `full`: logits for the whole micro-batch, then
+    the loss."""
     loss_chunk_tokens: int = Field(1024, gt=0)
-    # Compile each decoder block with torch.compile (regional compilation, as torchtitan does).
+    """Positions per chunk of the chunked loss."""
     compile: bool = False
+    """Compile each decoder block with torch.compile (regional compilation, as torchtitan does)."""
     log_every_steps: int = Field(1, gt=0)
+    """Logging steps: the loop's only host syncs (plus eval steps)."""
     eval_every_steps: Optional[int] = Field(None, gt=0)
+    """Validation loss every this many steps (and at the last); needs a validation split."""
     eval_max_batches: int = Field(8, gt=0)
-    # When G does not split evenly at some world size in scaling.min..max_workers: false rejects
-    # the config; true lets workers take floor/ceil(G/W) rows and run label-free padding
-    # micro-batches so every rank does the same number of forward/backward passes (FSDP
-    # collectives must match). The gradient is unchanged; the padding costs compute.
+    """Validation rows per evaluation, in global batches."""
     pad_uneven_batches: bool = False
-    # Record the row_ids of every optimizer step in the run's metrics (one all-gather per logged step).
+    """When the global batch does not split evenly at some world size in the scaling range: `false`
+    rejects the config; `true` lets workers take floor/ceil(G/W) rows and run label-free padding
+    micro-batches so every rank does the same number of forward/backward passes. The gradient is
+    unchanged; the padding costs compute."""
     trace_rows: bool = False
+    """Record the row_ids of every optimizer step in the run's metrics (one all-gather per logged
+    step)."""
 
     @model_validator(mode="after")
     def _one_length(self) -> "TrainingConfig":
+        """Exactly one of `max_steps` and `epochs`."""
         if (self.max_steps is None) == (self.epochs is None):
             raise ValueError("set exactly one of training.max_steps and training.epochs")
         return self
 
 
 class CheckpointConfig(_Strict):
+    """Sharded checkpoints (DCP) under the run, and when they are taken."""
+
     save_every_steps: int = Field(100, gt=0)
+    """Periodic checkpoint cadence (the last step always saves)."""
     num_to_keep: Optional[int] = Field(3, gt=0)
+    """Checkpoints kept; null keeps all."""
     async_upload: bool = True
-    # Ask Ray Train every step whether a node of the run is being preempted (a cheap barrier);
-    # on a notice, train on and save a just-in-time checkpoint as late as the deadline allows,
-    # then stop stepping until the node goes (app/train/preemption.py).
+    """Upload in the background while training goes on (a just-in-time or pre-grow save waits)."""
     on_preemption: bool = True
-    # Before an elastic run grows (Ray Train restarts the group bigger), save at the next step
-    # boundary, waiting at most before_grow_timeout_s, so the grow recomputes no step
-    # (app/train/grow.py). Off: the bigger group resumes from the latest periodic checkpoint.
+    """Ask Ray Train every step whether a node of the run is being pre-empted (a cheap barrier); on a
+    notice, train on and save a just-in-time checkpoint as late as the deadline allows, then stop
+    stepping until the node goes."""
     before_grow: bool = True
+    """Before an elastic run grows (Ray Train restarts the group bigger), save at the next step
+    boundary so the grow recomputes no step. Off: the bigger group resumes from the latest periodic
+    checkpoint."""
     before_grow_timeout_s: float = Field(120.0, gt=0)
-    # Resuming a run on another dataset (another data.uri, or the same one prepared anew) is
-    # refused unless this says to continue on the new data from the checkpoint's step.
+    """How long the pre-grow save may take before the grow goes ahead without it."""
     resume_on_new_data: bool = False
+    """Resuming a run on another dataset (another `data.uri`, or the same one prepared anew) is refused
+    unless this says to continue on the new data from the checkpoint's step."""
 
 
 class ScalingConfig(_Strict):
+    """Workers and what each one needs (Ray Train's ScalingConfig)."""
+
     min_workers: int = Field(2, gt=0)
+    """Fewest workers; below `max_workers` the run is elastic."""
     max_workers: int = Field(2, gt=0)
+    """Most workers."""
     use_gpu: bool = False
+    """One or more GPUs per worker (NCCL); else CPU workers (gloo)."""
     cpus_per_worker: float = Field(1.0, gt=0)
+    """CPUs Ray reserves per worker."""
     gpus_per_worker: float = Field(1.0, gt=0)
-    # Memory of each worker's GPU, as CUDA reports it (e.g. 39.4 for an A100-40GB, 79.2 for an
-    # H100-80GB): what `eft plan` and `training.parallelism: auto` fit a worker into. Unset: the
-    # A100-40GB of the `base` overlay's p4d.24xlarge (`eft plan --node-type` names another).
+    """GPUs Ray reserves per worker (with `use_gpu`)."""
     gpu_memory_gib: Optional[float] = Field(None, gt=0, le=1024)
-    # Extra Ray resources each worker needs (e.g. a node-type label resource), beside CPU/GPU.
+    """Memory of each worker's GPU, as CUDA reports it (39.4 for an A100-40GB, 79.2 for an
+    H100-80GB): what `eft plan` and `training.parallelism: auto` fit a worker into. Unset: the
+    A100-40GB of the `base` overlay's p4d.24xlarge (`eft plan --node-type` names another)."""
     resources_per_worker: dict[str, float] = Field(default_factory=dict)
-    # How often a healthy elastic run checks whether more workers fit (and restarts bigger).
+    """Other Ray resources each worker needs (a node-type label resource, say); CPU and GPU go in the
+    two keys above."""
     elastic_resize_monitor_interval_s: float = Field(60.0, gt=0)
-    # How long a (re)start waits for the requested workers before an elastic run settles for
-    # fewer; None keeps Ray Train's default (60 s).
+    """How often a healthy elastic run checks whether more workers fit (and restarts bigger)."""
     worker_group_start_timeout_s: Optional[float] = Field(None, gt=0)
+    """How long a (re)start waits for the requested workers before an elastic run settles for fewer;
+    null keeps Ray Train's default (60 s)."""
 
     @field_validator("resources_per_worker")
     @classmethod
@@ -298,16 +384,26 @@ class ScalingConfig(_Strict):
 
 
 class FaultToleranceConfig(_Strict):
-    max_failures: int = Field(3, ge=-1, description="worker-group restarts on errors; -1 = unlimited")
-    # Pre-emptions are counted apart from real errors: a spot run may be reclaimed many times.
-    max_preemption_failures: int = Field(-1, ge=-1, description="restarts after node pre-emption; -1 = unlimited")
+    """How many restarts a run may take."""
+
+    max_failures: int = Field(3, ge=-1)
+    """Worker-group restarts on errors; -1: unlimited."""
+    max_preemption_failures: int = Field(-1, ge=-1)
+    """Restarts after node pre-emption, counted apart from errors (a spot run may be reclaimed many
+    times); -1: unlimited."""
 
 
 class StorageConfig(_Strict):
-    root_uri: str = Field(description="runs live under <root_uri>/<name>/")
-    # Normally unset: boto3/pyarrow read AWS_ENDPOINT_URL. Set it to pin an S3-compatible store.
+    """Where runs live."""
+
+    root_uri: str
+    """Runs live under `<root_uri>/<name>/`: a bucket or directory (not empty, `/`, `.` or a bucketless
+    `s3://`)."""
     s3_endpoint: Optional[str] = None
+    """Normally unset: boto3 and pyarrow read `AWS_ENDPOINT_URL`. Set it to pin an S3-compatible
+    store."""
     s3_region: str = "us-east-1"
+    """S3 region."""
 
     @field_validator("root_uri")
     @classmethod
@@ -316,7 +412,13 @@ class StorageConfig(_Strict):
 
 
 class JobConfig(_Strict):
-    name: str = Field(description="the run name; re-using it resumes the run")
+    """One job: a YAML file of these sections. Credentials never live here: S3 uses the standard AWS
+    chain and `AWS_ENDPOINT_URL`."""
+
+    name: str
+    """The run name: runs live at `<storage.root_uri>/<name>/`, and re-using a name resumes the run
+    (another `model.uri`, LoRA shape or alpha, or `training.seed` is refused, naming the keys).
+    Letters, digits, `.`, `_` and `-`; for `eft manifests`, a lowercase Kubernetes name of at most 40."""
     model: ModelConfig
     lora: Optional[LoraConfig] = None
     data: DataConfig
@@ -329,6 +431,10 @@ class JobConfig(_Strict):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "JobConfig":
+        """`name` is letters, digits, `.`, `_` and `-`; `data.uri` and `storage.root_uri` do not
+        overlap; `scaling.gpu_memory_gib` needs `use_gpu`; `min_workers` <= `max_workers`; the global
+        batch splits at every world size in the range (or `pad_uneven_batches`); `loss: liger` needs
+        GPU workers."""
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", self.name):
             raise ValueError(f"name {self.name!r} must be letters, digits, '.', '_' or '-'")
         if locations_overlap(self.data.uri, self.storage.root_uri):

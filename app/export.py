@@ -25,10 +25,11 @@ from pathlib import Path
 from typing import Optional
 
 from app.config import JobConfig
+from app.elastic.checkpoint import (check_complete, check_local_copy, find_latest_checkpoint, load_sidecar,
+                                    load_train_state)
+from app.model.architecture import ModelError
+from app.model.build import check_model_dir, load_pretrained
 from app.storage import Store, StorageError, join
-from app.train.checkpoint import (check_complete, check_local_copy, find_latest_checkpoint, load_sidecar,
-                                  load_train_state)
-from app.train.model import ModelError, check_model_dir, load_pretrained
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,11 @@ def export_run(cfg: JobConfig, checkpoint_uri: Optional[str] = None, merge: bool
     and the URI of each output tree.
     """
     store = store or Store.from_config(cfg.storage)
+    # A person waits on this: an unreachable endpoint or a bad bucket is one line in seconds,
+    # before the (patient) store starts reading checkpoints and weights.
+    quick = Store(store.endpoint, store.region, interactive=True)
+    for uri in dict.fromkeys([cfg.run_uri, cfg.model.uri, *([checkpoint_uri] if checkpoint_uri else [])]):
+        quick.check_reachable(uri)
     # Judged complete from its JSON sidecar alone: nothing of it is unpickled before that.
     ckpt_uri = pick_checkpoint(store, cfg.run_uri, checkpoint_uri)
     step = load_train_state(store, ckpt_uri).get("step")

@@ -5,7 +5,7 @@ parameter counts come from the model built on the meta device (with PEFT's own m
 counts are exact), the rest from the Llama-style decoder block (Llama, Mistral, Qwen2: RMSNorm,
 rotary attention, gated MLP) as transformers implements it. Components, per worker:
 
-* parameters, in their storage dtype (app.train.model.resolve_precision; NF4 for the base's
+* parameters, in their storage dtype (app.model.build.resolve_precision; NF4 for the base's
   linears under lora.quantize_base), sharded 1/world by FSDP2, replicated by DDP;
 * gradients and AdamW's two moments, for trainable parameters, sharded or replicated likewise;
 * the optimizer step's temporary (foreach AdamW on GPU copies all moments once);
@@ -131,9 +131,8 @@ def _layout(config_json: str, lora_json: Optional[str], storage_bytes: int, nf4:
     import torch.nn as nn
 
     from app.config import LoraConfig
-    from app.train.architecture import build_meta_base
-    from app.train.model import build_peft_config, decoder_blocks
-    from app.train.quantize import nf4_bytes_per_param
+    from app.model.architecture import build_meta_base, build_peft_config, decoder_blocks
+    from app.model.quantize import nf4_bytes_per_param
 
     config = as_config(json.loads(config_json))
     model = build_meta_base(config)
@@ -194,11 +193,11 @@ def load_layout(cfg: JobConfig, model_config) -> ModelLayout:
 
 
 def plan_precision(cfg: JobConfig) -> tuple[int, Optional[int]]:
-    """(storage bytes, compute bytes or None) as app.train.model.resolve_precision decides them on
+    """(storage bytes, compute bytes or None) as app.model.build.resolve_precision decides them on
     the job's device."""
     import torch
 
-    from app.train.model import resolve_precision
+    from app.model.build import resolve_precision
 
     precision = resolve_precision(cfg, torch.device("cuda" if cfg.scaling.use_gpu else "cpu"))
     storage = DTYPE_BYTES[str(precision.storage_dtype).removeprefix("torch.")]
@@ -386,7 +385,7 @@ def gpu_memory_of(cfg: JobConfig, node_type: Optional[str] = None) -> tuple[Opti
     """(bytes per GPU, where that number comes from): --node-type, else scaling.gpu_memory_gib,
     else the default node type; None on CPU workers."""
     from app.config import ConfigError
-    from app.kube.render import NODE_TYPES
+    from app.nodes import NODE_TYPES
 
     if node_type is not None:
         if node_type not in NODE_TYPES:
@@ -407,13 +406,17 @@ def gpu_memory_of(cfg: JobConfig, node_type: Optional[str] = None) -> tuple[Opti
 def plan_job(cfg: JobConfig, store=None, node_type: Optional[str] = None,
              headroom_fraction: float = DEFAULT_HEADROOM) -> tuple[Plan, str]:
     """The job's plan, reading the model's config.json from storage; and where the GPU size came from."""
+    from app.model.architecture import load_model_config
     from app.storage import Store
-    from app.train.architecture import load_model_config
 
     if node_type is not None and not cfg.scaling.use_gpu:
         cfg = cfg.model_copy(update={"scaling": cfg.scaling.model_copy(update={"use_gpu": True})})
     memory, source = gpu_memory_of(cfg, node_type)
-    model_config = load_model_config(store or Store.from_config(cfg.storage), cfg.model.uri)
+    if store is None:
+        # A command a person waits on: an unreachable bucket is one line in seconds.
+        store = Store.from_config(cfg.storage, interactive=True)
+        store.check_reachable(cfg.model.uri)
+    model_config = load_model_config(store, cfg.model.uri)
     return build_plan(cfg, model_config, memory, headroom_fraction), source
 
 

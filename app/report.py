@@ -14,12 +14,12 @@ import math
 import time
 from typing import Optional
 
+from app.elastic import checkpoint as ckpt
+from app.elastic.resume import CONFIG_FILE, load_run_config
+from app.observe import records
+from app.observe.metrics import format_duration, load_metrics
+from app.observe.summary import SUMMARY_FILE, build_interruptions, latest_nccl, load_summary
 from app.storage import Store, join
-from app.train.summary import SUMMARY_FILE, build_interruptions, latest_nccl, load_summary
-from app.train import checkpoint as ckpt
-from app.train import records
-from app.train.metrics import format_duration, load_metrics
-from app.train.resume import CONFIG_FILE, load_run_config
 
 REPORT_DIR = "report"
 PLOT_FILE = "loss.png"

@@ -9,6 +9,11 @@ Every S3 client retries: a store that drops connections for tens of seconds or a
 `503 SlowDown` must cost time, never a run. Ray Train writes its own files (checkpoints, its
 checkpoint-manager snapshot, with no retry of its own and no tolerance for a failed write on its
 controller) through the filesystem made here, so the retries live on that filesystem.
+
+That patience is for training. A command a person waits on (`plan`, `status`, `report`, the
+preflights) uses an interactive Store (`Store(interactive=True)`): a couple of attempts and short
+timeouts, so an unreachable endpoint is one line within seconds, not minutes of backoff. A bucket
+name S3 cannot have (`YOUR-BUCKET`) is refused before any request.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import stat
 import tempfile
@@ -40,8 +46,19 @@ log = logging.getLogger("eft.storage")
 S3_MAX_ATTEMPTS = 13
 S3_CONNECT_TIMEOUT_S = 10.0
 READ_ATTEMPTS = 6
-# Per socket read; a checkpoint shard streams in many reads, so this bounds a hung store only.
-S3_REQUEST_TIMEOUT_S = 120.0
+# Per socket read: how long a request may wait with no byte from the store before it is retried.
+# A connection that died mid-request (a reset the client never saw) costs exactly this, so it is
+# short: 120 s made a checkpoint upload caught by a 20 s outage take 2 minutes, where 30 s lets
+# it resume right after. A healthy store answers within seconds, and a large object streams in
+# many reads, each well under it.
+S3_REQUEST_TIMEOUT_S = 30.0
+# Interactive commands: one retry, and a dead endpoint is given a few seconds per attempt.
+INTERACTIVE_ATTEMPTS = 2
+INTERACTIVE_CONNECT_TIMEOUT_S = 3.0
+INTERACTIVE_REQUEST_TIMEOUT_S = 10.0
+# S3's bucket naming rules: 3-63 lowercase letters, digits, dots and hyphens, starting and ending
+# with a letter or digit, no two dots in a row.
+BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 
 
 class StorageError(RuntimeError):
@@ -54,6 +71,15 @@ def s3_endpoint(explicit: Optional[str] = None) -> Optional[str]:
 
 def is_s3(uri: str) -> bool:
     return uri.startswith("s3://")
+
+
+def check_bucket_name(uri: str) -> str:
+    """The bucket of an s3:// URI, or StorageError naming the URI when S3 cannot have that name."""
+    bucket = uri[len("s3://"):].split("/", 1)[0]
+    if not BUCKET_NAME.fullmatch(bucket) or ".." in bucket:
+        raise StorageError(f"{uri}: {bucket!r} is not a valid S3 bucket name (3-63 lowercase letters, digits, "
+                           f"'.' and '-', starting and ending with a letter or digit)")
+    return bucket
 
 
 def join(uri: str, *parts: str) -> str:
@@ -96,14 +122,19 @@ def boto3_config(**overrides):
     return Config(**settings)
 
 
-def resolve(uri: str, endpoint: Optional[str] = None, region: str = "us-east-1") -> tuple[pafs.FileSystem, str]:
-    """URI → (filesystem, path inside it)."""
+def resolve(uri: str, endpoint: Optional[str] = None, region: str = "us-east-1",
+            interactive: bool = False) -> tuple[pafs.FileSystem, str]:
+    """URI → (filesystem, path inside it). `interactive`: a short retry budget (see the module doc)."""
     if is_s3(uri):
         path = uri[len("s3://"):].rstrip("/")
         if not path:
             raise StorageError(f"{uri}: no bucket in URI")
+        check_bucket_name(uri)
         ep = s3_endpoint(endpoint)
         kwargs: dict[str, Any] = {"region": region}
+        if interactive:
+            kwargs.update(max_attempts=INTERACTIVE_ATTEMPTS, connect_timeout=INTERACTIVE_CONNECT_TIMEOUT_S,
+                          request_timeout=INTERACTIVE_REQUEST_TIMEOUT_S)
         if ep:
             scheme, _, host = ep.partition("://")
             kwargs.update(endpoint_override=host or scheme, scheme=scheme if host else "https")
@@ -128,11 +159,13 @@ def _read_at(fs, path: str, offset: int, length: int) -> bytes:
 
 
 class Store:
-    """Storage bound to one endpoint/region (from `StorageConfig`)."""
+    """Storage bound to one endpoint/region (from `StorageConfig`). `interactive`: for commands a
+    person waits on, which fail in seconds on an unreachable endpoint instead of riding it out."""
 
-    def __init__(self, endpoint: Optional[str] = None, region: str = "us-east-1"):
+    def __init__(self, endpoint: Optional[str] = None, region: str = "us-east-1", interactive: bool = False):
         self.endpoint = endpoint
         self.region = region
+        self.interactive = interactive
         # Bytes this Store has fetched (read_bytes, read_range, cache_locally downloads): what
         # loading a model read is measured on a Store of its own. Bytes a node-local cache served
         # instead are no storage traffic: they are counted apart, in bytes_cached.
@@ -156,11 +189,11 @@ class Store:
             self.bytes_cached += n
 
     @classmethod
-    def from_config(cls, storage_cfg) -> "Store":
-        return cls(storage_cfg.s3_endpoint, storage_cfg.s3_region)
+    def from_config(cls, storage_cfg, interactive: bool = False) -> "Store":
+        return cls(storage_cfg.s3_endpoint, storage_cfg.s3_region, interactive=interactive)
 
     def resolve(self, uri: str) -> tuple[pafs.FileSystem, str]:
-        return resolve(uri, self.endpoint, self.region)
+        return resolve(uri, self.endpoint, self.region, self.interactive)
 
     # -- preflight ----------------------------------------------------------------
     def check_reachable(self, uri: str) -> None:
@@ -170,18 +203,19 @@ class Store:
         import boto3
         import botocore.exceptions as bexc
 
-        bucket = uri[len("s3://"):].split("/", 1)[0]
+        bucket = check_bucket_name(uri)
         ep = s3_endpoint(self.endpoint)
         where = ep or "the default AWS endpoint"
         # Preflight answers fast: a few attempts, not the long patience of a running job.
         client = boto3.client(
             "s3", endpoint_url=ep, region_name=self.region,
-            config=boto3_config(connect_timeout=5, read_timeout=10, retries={"mode": "standard", "max_attempts": 2}),
+            config=boto3_config(connect_timeout=INTERACTIVE_CONNECT_TIMEOUT_S, read_timeout=INTERACTIVE_REQUEST_TIMEOUT_S,
+                                retries={"mode": "standard", "max_attempts": INTERACTIVE_ATTEMPTS}),
         )
         try:
             client.head_bucket(Bucket=bucket)
-        except bexc.EndpointConnectionError:
-            raise StorageError(f"cannot reach S3 endpoint {where} (for {uri})") from None
+        except (bexc.ConnectionError, bexc.HTTPClientError) as err:  # refused, unresolvable, timed out
+            raise StorageError(f"cannot reach S3 endpoint {where} (for {uri}): {type(err).__name__}") from None
         except bexc.NoCredentialsError:
             raise StorageError(f"no AWS credentials found for s3://{bucket} at {where}") from None
         except bexc.ClientError as err:
@@ -212,7 +246,7 @@ class Store:
 
     def _read_retrying(self, uri: str, read) -> bytes:
         fs, path = self.resolve(uri)
-        attempts = READ_ATTEMPTS if is_s3(uri) else 1
+        attempts = READ_ATTEMPTS if is_s3(uri) and not self.interactive else 1
         for attempt in range(attempts):
             try:
                 return read(fs, path)

@@ -152,9 +152,8 @@ def prepare(cfg, store) -> dict:
 
 def run_records(store, run_uri: str) -> dict:
     """metrics.jsonl lines, events and heartbeats of a run."""
-    from app.train.records import load_events
-    from app.train.metrics import load_metrics
-    from app.train.records import load_heartbeats
+    from app.observe.metrics import load_metrics
+    from app.observe.records import load_events, load_heartbeats
 
     return {"metrics": load_metrics(store, run_uri), "events": load_events(store, run_uri),
             "heartbeats": load_heartbeats(store, run_uri)}

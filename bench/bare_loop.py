@@ -9,7 +9,7 @@ Ray, no S3, no checkpoints, no metrics files.
 
 Single process: `python bench/bare_loop.py ...`. Under `torchrun --nproc_per_node N` (WORLD_SIZE
 > 1) it initializes gloo and applies FSDP2 `fully_shard` per decoder layer and at the root,
-like app/train/model.py, and each rank takes its G/N rows of every step. With `--ray-workers N`
+like app/model/build.py, and each rank takes its G/N rows of every step. With `--ray-workers N`
 it starts a local Ray cluster the way `eft train` does and runs the same loop as the training
 function of a Ray Train `TorchTrainer` with N 1-CPU workers (Ray Train sets up gloo): the loop
 of torchrun in the processes of Ray, to tell Ray's cost from eft's.

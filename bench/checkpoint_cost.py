@@ -18,7 +18,7 @@ log_every_steps = 1 the record of the step after a save carries that save. The f
 run is not in any record and is not counted.
 
 Restore time: measured directly. The worker loop runs unchanged, except that
-`app.train.checkpoint.restore` is wrapped with a timer (download of the rank's checkpoint files
+`app.elastic.checkpoint.restore` is wrapped with a timer (download of the rank's checkpoint files
 from S3 + `dcp.load` + set_model/optimizer_state_dict) that writes its duration to the run's
 storage; every resumed round exercises it (both runs, both ranks). Timing restore() itself is
 chosen over "time to first step on resume minus a fresh start" because Ray Train's
@@ -48,10 +48,10 @@ def instrumented_loop(config: dict) -> None:
     import torch.distributed.checkpoint as dcp
 
     from app.config import JobConfig
+    from app.elastic import checkpoint as ckpt
+    from app.observe.metrics import MetricsLog
     from app.storage import Store, join
-    from app.train import checkpoint as ckpt
     from app.train.loop import train_loop_per_worker
-    from app.train.metrics import MetricsLog
 
     cfg = JobConfig.model_validate(config["cfg"])
     rank = ray.train.get_context().get_world_rank()

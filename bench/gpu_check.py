@@ -157,8 +157,8 @@ def prepare_base_and_data(root: str, store, size: dict, use_gpu: bool) -> int:
 def run_check(root: str, store, args, size: dict, use_gpu: bool) -> tuple[list[list], int, list[dict]]:
     import ray
 
+    from app.observe.metrics import load_metrics
     from app.train.launch import run_training
-    from app.train.metrics import load_metrics
 
     n_params = prepare_base_and_data(root, store, size, use_gpu)
     runs = []
@@ -194,8 +194,8 @@ def run_check(root: str, store, args, size: dict, use_gpu: bool) -> tuple[list[l
 def predict_peak_gb(cfg, store) -> float | None:
     """The memory plan's per-GPU peak for this run, as torch.cuda.max_memory_allocated counts it
     (the measured column: no CUDA context)."""
+    from app.model.architecture import load_model_config
     from app.plan import estimate_memory
-    from app.train.architecture import load_model_config
 
     try:
         estimate = estimate_memory(cfg, load_model_config(store, cfg.model.uri), world=1,
@@ -209,8 +209,8 @@ def predict_peak_gb(cfg, store) -> float | None:
 def run_matrix(root: str, store, args, size: dict, use_gpu: bool) -> tuple[list[list], int, list[dict]]:
     """LoRA and full, each with every (training.loss, training.compile) of --combos; one run's
     files are deleted before the next starts (a full fine-tune's checkpoint is ~12 bytes/parameter)."""
+    from app.observe.metrics import load_metrics
     from app.train.launch import run_training
-    from app.train.metrics import load_metrics
 
     n_params = prepare_base_and_data(root, store, size, use_gpu)
     rows, nccl = [], []
@@ -243,7 +243,7 @@ def run_matrix(root: str, store, args, size: dict, use_gpu: bool) -> tuple[list[
 
 
 def describe_nccl(records: list) -> str:
-    """What NCCL picked on this machine, as rank 0 recorded it (app/train/nccl.py)."""
+    """What NCCL picked on this machine, as rank 0 recorded it (app/observe/nccl.py)."""
     seen = [r for r in records if r]
     if not seen:
         return "NCCL transport: none recorded (CPU run, or NCCL_DEBUG set without NCCL_DEBUG_FILE)."

@@ -33,9 +33,9 @@ from bench.common import markdown_table, save_result  # noqa: E402
 def stream_probe(data_uri: str, seed: int, rank: int, world: int, global_batch: int, micro_batch: int,
                  steps: int) -> dict:
     """Runs inside a 1-CPU Ray actor: the loop's data path, pulled as fast as it goes."""
+    from app.batch import BatchPlan
     from app.data.manifest import load_manifest, shard_uris
     from app.data.stream import DataOrder, RankSlice, iter_rank_rows, iter_step_batches
-    from app.train.batch import BatchPlan
     from app.storage import Store
 
     began = time.perf_counter()

@@ -1,7 +1,7 @@
 """Bytes each node reads from storage to load a model, on a 2-node Ray cluster on one machine.
 
 Two workers, one per node (ray.cluster_utils.Cluster through app.dev.chaos.start_cluster), load
-the same bf16 model from the local S3 endpoint the way `eft train` does (app.train.model.build_model
+the same bf16 model from the local S3 endpoint the way `eft train` does (app.model.build.build_model
 with a Store of their own), in the same run:
 
 - `fsdp`: each rank reads its own rows of each tensor (ranged reads): about 1/nodes of the model
@@ -40,9 +40,9 @@ def load_worker(config: dict) -> None:
     import ray.train.torch
 
     from app.config import JobConfig
+    from app.model.build import build_model
+    from app.observe.records import record_weights_loaded
     from app.storage import Store
-    from app.train.model import build_model
-    from app.train.weights import record_weights_loaded
 
     cfg = JobConfig.model_validate(config["cfg"])
     ctx = ray.train.get_context()
@@ -57,8 +57,8 @@ def load_once(cfg, slot: str) -> dict:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    from app.observe.records import load_events
     from app.storage import Store
-    from app.train.records import load_events
 
     store = Store()
     fs, root = store.resolve(cfg.storage.root_uri)

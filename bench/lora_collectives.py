@@ -5,7 +5,7 @@ step time, on 2 gloo processes (pure torch, no Ray), both variants in the same p
     .venv/bin/python bench/lora_collectives.py [--rounds 4] [--steps 4] [--accum 4] [--threads 1]
 
 The model is the benches' random-init Llama (bench/_setup.py BENCH_MODEL: hidden 256, 4 layers)
-with BENCH_LORA (r 8 on all 7 projections), fp32 on CPU, built by app.train.model.build_model; the
+with BENCH_LORA (r 8 on all 7 projections), fp32 on CPU, built by app.model.build.build_model; the
 step is the loop's (micro-batches with the gradient sync on the last, the replicated gradients'
 all-reduce, clipping, AdamW). Collectives are counted by the backend's profiler events on one step
 (app/dev/collectives.py), so they include FSDP2's gathers and reductions and DTensor's all-reduce
@@ -49,9 +49,9 @@ def make_step(model, rank: int, world: int, args):
     """One optimizer step of the loop on fixed random rows; returns a closure."""
     import torch
 
+    from app.model.build import trainable_parameters
+    from app.model.sharding import all_reduce_gradients, forward_autocast_dtype, replicated_parameters
     from app.train.loop import grad_sync_context, loss_sum
-    from app.train.model import trainable_parameters
-    from app.train.sharding import all_reduce_gradients, forward_autocast_dtype, replicated_parameters
 
     params, replicated = trainable_parameters(model), replicated_parameters(model)
     autocast = forward_autocast_dtype(model, None)
@@ -75,7 +75,7 @@ def make_step(model, rank: int, world: int, args):
 def describe(model) -> dict:
     from torch.distributed.tensor import DTensor
 
-    from app.train.sharding import replicated_parameters
+    from app.model.sharding import replicated_parameters
 
     params = list(model.parameters())
     adapters = [p for p in params if p.requires_grad]
@@ -89,8 +89,8 @@ def worker(rank: int, world: int, model_dir: str, port: int, out: str, args) -> 
     import torch.distributed as dist
 
     from app.dev.collectives import count_collectives
+    from app.model.build import build_model
     from app.storage import Store
-    from app.train.model import build_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -41,7 +41,7 @@ def measure(mode: str, trainable_head: bool, seq_len: int, vocab: int, hidden_si
     import torch
     import torch.nn as nn
 
-    from app.train.loss import apply_loss, loss_sum
+    from app.model.loss import apply_loss, loss_sum
 
     class HeadOnly(nn.Module):
         """A causal LM whose decoder is replaced by fixed final hidden states."""

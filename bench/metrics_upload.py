@@ -55,7 +55,7 @@ def build_counting_store():
 
 
 def measure_segments(steps: int, step_s: float, save_every: int) -> tuple[int, int]:
-    from app.train import metrics
+    from app.observe import metrics
 
     clock = [0.0]
     store = build_counting_store()

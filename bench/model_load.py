@@ -6,7 +6,7 @@ of its first optimizer step.
 - before: each node downloads the whole model to its cache, rank 0 loads it whole and broadcasts
   it into the shards (today the fallback for models without safetensors files).
 - after: each rank reads only its own slices of the safetensors files from S3, and keeps them in
-  the node's slice cache (app/train/weights.py SliceCache).
+  the node's slice cache (app/model/weights.py SliceCache).
 
 Three starts of each: a cold start, a restart on a replacement node (empty node cache, as after
 a spot reclaim) and a restart on a node that survived (the node cache as the previous start left it:
@@ -56,9 +56,9 @@ def start_worker(config: dict) -> None:
     import torch
 
     from app.config import JobConfig
-    from app.storage import Store
-    from app.train.model import (apply_fsdp, build_meta_model, build_model, load_pretrained,
+    from app.model.build import (apply_fsdp, build_meta_model, build_model, load_pretrained,
                                  load_weights_from_rank0, resolve_precision, trainable_parameters)
+    from app.storage import Store
 
     started = time.monotonic()
     cfg = JobConfig.model_validate(config["cfg"])

@@ -1,7 +1,7 @@
 """`eft plan`'s predicted peak per worker vs the peak measured in real training steps, on CPU.
 
 For random-init Llama models of a few sizes (hidden 256..1024, a 32k vocabulary so the logits
-matter), each case builds the model as a worker does (app.train.model.build_model: FSDP2 or
+matter), each case builds the model as a worker does (app.model.build.build_model: FSDP2 or
 DDP over gloo) in fresh processes and runs two optimizer steps of the loop's own forward and
 backward, under app.dev.memory.PeakTracker: the bytes of live tensors, what
 torch.cuda.max_memory_allocated counts on GPU (CPU has no allocator statistics, and the
@@ -9,7 +9,7 @@ resident size mixes in the interpreter, libraries and glibc's cache). The predic
 app.plan.estimate_memory for the same config. Goal: within 20% for every case.
 
 Each case runs with `training.loss: full` and with `chunked` (the default), which the loop applies
-after build_model (app.train.loss.apply_loss); LoRA under FSDP2 keeps its adapters replicated
+after build_model (app.model.loss.apply_loss); LoRA under FSDP2 keeps its adapters replicated
 (lora.fsdp_adapters default).
 
     python bench/plan_accuracy.py            # all cases (~10 min on 2 cores)
@@ -148,7 +148,7 @@ def main() -> None:
     worst = max(abs(c["error"]) for c in cases)
     table = (
         f"Peak tensor bytes per worker: predicted by `app.plan.estimate_memory` vs measured over two "
-        f"optimizer steps of real training (app.train.model.build_model + the loop's loss_sum, fp32 on "
+        f"optimizer steps of real training (app.model.build.build_model + the loop's loss_sum, fp32 on "
         f"CPU, gloo), random-init Llama, vocab {VOCAB}, seq_len {SEQ_LEN}, micro-batch 1, loss `full` and `chunked` "
         f"(chunks of 1,024 tokens), "
         f"LoRA r 16 on every linear. Measured with app.dev.memory.PeakTracker (live tensor storages, "

@@ -60,7 +60,7 @@ marks.append(("train_module", time.time())); cpus.append(cpu())
 import torch, torch.distributed as dist
 from app.config import build_config
 from app.storage import Store
-from app.train.model import build_model
+from app.model.build import build_model
 dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
 build_model(build_config(json.loads(sys.argv[1])), Store(), torch.device("cpu"), 0, 1)
 marks.append(("model_built", time.time())); cpus.append(cpu())
@@ -114,8 +114,8 @@ def restart_worker(config: dict) -> None:
     import torch.distributed as dist
 
     from app.config import build_config
+    from app.model.build import build_model
     from app.storage import Store
-    from app.train.model import build_model
 
     rank, world = ray.train.get_context().get_world_rank(), ray.train.get_context().get_world_size()
     cfg = build_config(config["cfg"])

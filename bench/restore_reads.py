@@ -5,7 +5,7 @@ checkpoint (weights + AdamW moments, FSDP2-sharded over 2 ranks) on the local S3
   `Checkpoint.as_directory` did, and eft's restore copy after it), then DCP reads its
   shards from the copy. Here each rank stands for a node of its own, with its own copy.
 - after: each rank reads, by ranged requests straight from the bucket, only the records it
-  loads (`app.train.checkpoint.build_checkpoint_reader`).
+  loads (`app.elastic.checkpoint.build_checkpoint_reader`).
 
 Both restore the same checkpoint into the same sharded model and optimizer, in turns, and the
 restored state is compared tensor for tensor. No Ray: 2 processes in a gloo group.
@@ -49,7 +49,7 @@ def build_sharded(hidden: int, layers: int):
 
 
 def flat_state(model, optimizer) -> dict:
-    from app.train.checkpoint import build_app_state
+    from app.elastic.checkpoint import build_app_state
 
     state = build_app_state(model, optimizer, lora=False)
     out = {f"model.{k}": v for k, v in state["model"].items()}
@@ -65,8 +65,8 @@ def worker(rank: int, world: int, args, work: str, endpoint: str, out: str) -> N
     import torch.distributed.checkpoint as dcp
 
     from app.dev import local
+    from app.elastic import checkpoint as ckpt
     from app.storage import Store
-    from app.train import checkpoint as ckpt
 
     local.point_env_at(endpoint)
     dist.init_process_group("gloo", init_method=f"file://{work}/pg", rank=rank, world_size=world)

@@ -1,4 +1,4 @@
-"""The cost of row-seeded dropout (app/train/dropout.py): forward + backward of a small LoRA
+"""The cost of row-seeded dropout (app/model/dropout.py): forward + backward of a small LoRA
 Llama (every linear adapted, lora.dropout 0.05), PEFT's nn.Dropout vs RowDropout, with and
 without activation checkpointing. Same weights, same batch; the variants alternate, and each
 figure is the median of the repeats. On CPU the time is the process's CPU time on one thread,
@@ -30,8 +30,9 @@ def build(args, row_seeded: bool, checkpointed: bool, device):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from app.config import LoraConfig
-    from app.train.dropout import RowSeeds, apply_row_dropout
-    from app.train.model import apply_activation_checkpointing, build_peft_config
+    from app.model.architecture import build_peft_config
+    from app.model.build import apply_activation_checkpointing
+    from app.model.dropout import RowSeeds, apply_row_dropout
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=1024, hidden_size=args.hidden, intermediate_size=2 * args.hidden,

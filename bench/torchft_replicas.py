@@ -85,8 +85,8 @@ def run_group(group: int, config: dict, store_addr: str | None = None, store_por
     from transformers import AutoModelForCausalLM
 
     from app.config import LoraConfig
-    from app.train.loss import loss_sum
-    from app.train.model import build_peft_config
+    from app.model.architecture import build_peft_config
+    from app.model.loss import loss_sum
 
     started = time.time()
     torch.set_num_threads(1)

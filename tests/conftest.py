@@ -1,5 +1,14 @@
 """Shared fixtures: a real S3 endpoint on a free loopback port, a real local Ray cluster,
-and a tiny Hugging Face model + tokenizer saved to S3 (no hub is reachable)."""
+and a tiny Hugging Face model + tokenizer saved to S3 (no hub is reachable).
+
+Tiers, decided by a rule on the fixtures a test uses (their whole closure), never by hand:
+- `cluster`: it runs on the session's Ray cluster (`ray_cluster`);
+- `e2e`: it runs eft, Ray or training ranks as processes of their own: a new user's shell with its
+  own stack (`new_user_shell`), a multi-node Ray cluster of its own (`run_scenario`, one of
+  tests/scenarios/), or gloo ranks spawned without Ray (`rank_processes`);
+- everything else is the fast tier: `make test-fast` runs it, in parallel. A fast-tier test that
+  starts Ray or spawns ranks anyway fails, naming the fixture that would tier it right.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +24,81 @@ from app.dev import local  # noqa: E402
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Ray Train's controller polls its workers every 2 s by default, so every run of a few steps waits
+# up to 2 s to be seen starting and again to be seen finished. Ray Train propagates this setting
+# from the driver to its controller; at 0.5 s a tiny test run takes ~15 s instead of ~21 s.
+FAST_POLL_SET_HERE = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S" not in os.environ
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+
+# fixture → the tier of every test that uses it.
+TIER_OF_FIXTURE = {"ray_cluster": "cluster", "new_user_shell": "e2e", "rank_processes": "e2e", "run_scenario": "e2e"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for tier in sorted({TIER_OF_FIXTURE[f] for f in getattr(item, "fixturenames", ()) if f in TIER_OF_FIXTURE}):
+            item.add_marker(tier)
+
+
+@pytest.fixture(autouse=True)
+def _fast_tier_starts_nothing(request, monkeypatch):
+    """A test of the fast tier may not start Ray or spawn training ranks: that would make
+    `make test-fast` slow, and its tier a lie."""
+    if any(request.node.get_closest_marker(tier) for tier in ("cluster", "e2e")):
+        return
+    import ray
+    import torch.multiprocessing
+
+    def refuse(what: str, fixture: str):
+        def refused(*args, **kwargs):
+            raise RuntimeError(f"{request.node.nodeid} {what} without the `{fixture}` fixture, which puts it in the "
+                               f"tier that may (tests/conftest.py)")
+        return refused
+
+    monkeypatch.setattr(ray, "init", refuse("starts Ray", "ray_cluster"))
+    monkeypatch.setattr(torch.multiprocessing, "spawn", refuse("spawns training ranks", "rank_processes"))
+
+
+def fresh_shell_env(home: Path) -> dict:
+    """This process's environment as a new user's shell has it: no AWS or Ray settings (the
+    test session's own S3 endpoint and Ray token live there), and an empty home."""
+    home.mkdir(parents=True, exist_ok=True)
+    return {**{k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "RAY_"))}, "HOME": str(home)}
+
+
+@pytest.fixture(scope="session")
+def new_user_shell():
+    """`make(home) -> env`: a new user's shell, for tests that run eft (and the stack it starts)
+    as that user's processes."""
+    return fresh_shell_env
+
+
+@pytest.fixture(scope="session")
+def run_scenario():
+    """`run(name, *args, timeout_s)`: tests/scenarios/<name>.py in a process of its own, which owns
+    the multi-node Ray cluster it starts; returns the CompletedProcess."""
+    import subprocess
+    import sys
+
+    def run(name: str, *args: str, timeout_s: float = 900) -> "subprocess.CompletedProcess":
+        script = Path(__file__).resolve().parent / "scenarios" / f"{name}.py"
+        # The scenarios rehearse restarts as they happen in production: with Ray Train's own
+        # controller polling, not the session's faster one (a restart decided 1.5 s sooner can be
+        # sized before the GCS has dropped a drained node).
+        env = {k: v for k, v in os.environ.items()
+               if not (FAST_POLL_SET_HERE and k == "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S")}
+        return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
+                              timeout=timeout_s, env=env)
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def rank_processes():
+    """torch.multiprocessing, for tests that spawn gloo training ranks as processes (no Ray)."""
+    import torch.multiprocessing
+
+    return torch.multiprocessing
 
 
 @pytest.fixture(scope="session")
@@ -31,12 +115,13 @@ def ray_cluster(s3):
     import ray
 
     from app.cluster import require_token_auth
+    from app.compat import ray_session_dir
 
     require_token_auth()  # a private token: nothing read from or written to ~/.ray
     ray.init(address="local", num_cpus=8, include_dashboard=True, log_to_driver=True,
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     # Where `make test` looks for the reason if this driver is killed (tests/report_crash.py).
-    session = Path(ray._private.worker._global_node.get_session_dir_path())
+    session = Path(ray_session_dir())
     record = Path(__file__).resolve().parents[1] / "build" / "pytest-ray-session"
     record.parent.mkdir(exist_ok=True)
     record.write_text(str(session))
@@ -56,8 +141,8 @@ def build_tiny_dataset(cfg, work_dir: Path, max_docs: int = 300) -> dict:
     cfg.data.uri (needs the `s3` and `ray_cluster` fixtures). Returns the manifest."""
     from app.data.manifest import load_manifest
     from app.data.prepare import prepare_dataset
-    from app.storage import Store
     from app.dev.tiny import build_corpus, save_tiny_base, write_jsonl
+    from app.storage import Store
 
     store = Store()
     texts = build_corpus(max_docs=max_docs)

@@ -16,6 +16,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from app.batch import IGNORE_INDEX
 from app.config import ConfigError, build_config, dump_config
 from app.data.chat import ChatFormat
 from app.data.engines import (
@@ -24,10 +25,9 @@ from app.data.engines import (
 )
 from app.data.formats import Skip
 from app.data.manifest import load_manifest, shard_uris
-from app.data.packing import IGNORE_INDEX
 from app.data.prepare import prepare_dataset
-from app.storage import Store
 from app.dev.tiny import build_corpus, build_tiny_tokenizer
+from app.storage import Store
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 # Each template: its special tokens, the end-of-turn marker after an assistant reply, whether the
@@ -315,17 +315,28 @@ def chat_model(s3, base_dir):
     return store, tok
 
 
-def test_prepare_a_chat_jsonl_on_the_local_engine(chat_model):
-    store, tok = chat_model
-    convs = [[{"role": "user", "content": f"Question {i}?"}, {"role": "assistant", "content": f"Answer {i}."},
-              {"role": "user", "content": "More?"}, {"role": "assistant", "content": f"No more {i}."}]
-             for i in range(6)]
+CHAT_INPUT = "s3://eft/raw/chat/part-0.jsonl"
+CONVERSATIONS = [[{"role": "user", "content": f"Question {i}?"}, {"role": "assistant", "content": f"Answer {i}."},
+                  {"role": "user", "content": "More?"}, {"role": "assistant", "content": f"No more {i}."}]
+                 for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def chat_input(chat_model) -> str:
+    """6 good conversations, one with no reply, one over-long, one with a non-string content."""
+    store, _ = chat_model
     long = [{"role": "user", "content": "word " * 300}, {"role": "assistant", "content": "ok"}]
-    lines = [json.dumps({"messages": c}) for c in convs[:3]]
+    lines = [json.dumps({"messages": c}) for c in CONVERSATIONS[:3]]
     lines += [json.dumps({"messages": [{"role": "user", "content": "no reply"}]}), json.dumps({"messages": long}),
               '{"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "x"}]}']
-    lines += [json.dumps({"messages": c}) for c in convs[3:]]
-    store.write_text("s3://eft/raw/chat/part-0.jsonl", "\n".join(lines) + "\n")
+    lines += [json.dumps({"messages": c}) for c in CONVERSATIONS[3:]]
+    store.write_text(CHAT_INPUT, "\n".join(lines) + "\n")
+    return CHAT_INPUT
+
+
+def test_prepare_a_chat_jsonl_on_the_local_engine(chat_model, chat_input):
+    store, tok = chat_model
+    convs = CONVERSATIONS
     cfg = make_config("s3://eft/data/chat", "s3://eft/raw/chat/part-0.jsonl", MODEL_URI)
     manifest = prepare_dataset(cfg, store)
     records = manifest["records"]
@@ -349,7 +360,7 @@ def test_prepare_a_chat_jsonl_on_the_local_engine(chat_model):
     assert trained_pieces(tok, ids[:n], labels[:n]) == expected_pieces
 
 
-def test_a_model_without_a_chat_template_fails_naming_the_key(chat_model):
+def test_a_model_without_a_chat_template_fails_naming_the_key(chat_model, chat_input):
     store, _ = chat_model
     cfg = make_config("s3://eft/data/chat-none", "s3://eft/raw/chat/part-0.jsonl", MODEL_URI + "-plain")
     with pytest.raises(PrepareError, match=r"^tokenizer at s3://eft/models/tiny-chat-plain has no chat template: "
@@ -359,7 +370,7 @@ def test_a_model_without_a_chat_template_fails_naming_the_key(chat_model):
     assert not store.exists("s3://eft/data/chat-none/manifest.json")
 
 
-def test_prepare_chat_template_brings_a_template_to_a_base_model(chat_model):
+def test_prepare_chat_template_brings_a_template_to_a_base_model(chat_model, chat_input):
     store, tok = chat_model
     store.write_text("s3://eft/templates/llama3.jinja", (TEMPLATES / "llama-3-instruct.jinja").read_text())
     # The plain tokenizer has none of Llama 3's special tokens: its header text is plain text, and
@@ -370,7 +381,22 @@ def test_prepare_chat_template_brings_a_template_to_a_base_model(chat_model):
     assert manifest["records"]["used"] == 6
 
 
-def test_the_ray_engine_gives_the_local_engines_chat_dataset(chat_model, ray_cluster):
+def test_a_chat_template_that_is_not_valid_jinja_fails_naming_the_file_and_line(chat_model):
+    """At load, before the lease or any record: one line naming the template file and the line of
+    its syntax error (the input named here does not exist: reading it would be another error)."""
+    store, _ = chat_model
+    broken = "s3://eft/templates/broken.jinja"
+    store.write_text(broken, "{% for message in messages %}\n{{ message['content'] }}\n{% if message %}\n{% endfor %}\n")
+    cfg = make_config("s3://eft/data/chat-broken", "s3://eft/raw/chat/none.jsonl", MODEL_URI + "-plain",
+                      chat_template=broken)
+    with pytest.raises(PrepareError) as err:
+        prepare_dataset(cfg, store)
+    assert str(err.value).startswith(f"prepare.chat_template {broken}: not valid Jinja at line 4: Encountered "
+                                     f"unknown tag 'endfor'.") and "\n" not in str(err.value)
+    assert store.list_files("s3://eft/data/chat-broken") == []
+
+
+def test_the_ray_engine_gives_the_local_engines_chat_dataset(chat_model, chat_input, ray_cluster):
     """The one Ray run here (seconds of start-up): the ChatFormat travels to the read tasks and the
     overlong mode to the tokenizer actors; the shards are byte-identical to the local engine's."""
     store, _ = chat_model

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -19,27 +16,25 @@ from conftest import build_tiny_dataset
 
 from app.config import build_config
 from app.data.stream import DataOrder
+from app.elastic.preemption import PreemptionDrained, PreemptionWatcher
+from app.observe.metrics import load_metrics
+from app.observe.records import load_events
+from app.observe.summary import build_interruptions
 from app.storage import Store
-from app.train.summary import build_interruptions
-from app.train.records import load_events
-from app.train.metrics import load_metrics
-from app.train.preemption import PreemptionDrained, PreemptionWatcher
 
-ROOT = Path(__file__).resolve().parents[1]
 BASE, DATA = "s3://eft/models/tiny-spot", "s3://eft/data/spot"
 STEPS = 140  # the scenario's default (tests/scenarios/spot.py)
 RUN = "s3://eft/runs-spot/spot"
 
 
 @pytest.fixture(scope="module")
-def spot_result(s3, ray_cluster, tmp_path_factory):
+def spot_result(s3, ray_cluster, tmp_path_factory, run_scenario):
     manifest = build_tiny_dataset(build_config({
         "name": "p", "model": {"uri": BASE}, "data": {"uri": DATA, "seq_len": 64},
         "prepare": {"input_uri": "s3://eft/raw/spot.jsonl"}, "storage": {"root_uri": "s3://eft/runs-spot"},
         "training": {"max_steps": 1}}), tmp_path_factory.mktemp("raw"))
     out = tmp_path_factory.mktemp("spot") / "result.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "scenarios" / "spot.py"), str(out), BASE, DATA,
-                           s3.endpoint], capture_output=True, text=True, timeout=900)
+    proc = run_scenario("spot", str(out), BASE, DATA, s3.endpoint, timeout_s=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text()), manifest
 

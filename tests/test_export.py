@@ -13,14 +13,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from numerics import assert_close
 
 from app.config import build_config
-from app.export import ExportError, export_run
-from app.storage import Store, join
 from app.dev.tiny import build_corpus, save_tiny_base
-from app.train.checkpoint import (SIDECAR, build_sidecar, checkpoint_dir_name, find_latest_checkpoint,
-                                  list_local_files, write_sidecar)
-from app.train.model import build_peft_config
+from app.elastic.checkpoint import (SIDECAR, build_sidecar, checkpoint_dir_name, find_latest_checkpoint,
+                                    list_local_files, write_sidecar)
+from app.export import ExportError, export_run
+from app.model.architecture import build_peft_config
+from app.storage import Store, join
 
 # The test writes checkpoints from one process, which DCP supports but warns about.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -235,7 +236,7 @@ def test_full_finetune_export_writes_the_trained_model(base_uri, tmp_path):
     for key, value in trainable_weights(model).items():
         assert torch.equal(dict(merged.named_parameters())[key], value), key
     tokenizer = AutoTokenizer.from_pretrained(merged_dir)
-    torch.testing.assert_close(logits_of(merged, tokenizer), logits_of(model, tokenizer), atol=1e-5, rtol=0)
+    assert_close(logits_of(merged, tokenizer), logits_of(model, tokenizer), rtol=0, atol=1e-6)
 
 
 def test_run_without_checkpoints_is_an_error_naming_the_run(base_uri):

@@ -16,10 +16,10 @@ import pytest
 
 from app import kube
 from app.config import load_config
-from app.kube.fabric import EFA_RESOURCE, FABRIC_HOST_PATHS
+from app.kube.fabric import EFA_RESOURCE
+from app.nodes import FABRIC_HOST_PATHS
+from app.observe import nccl, records
 from app.storage import Store
-from app.train import records
-from app.train import nccl
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "jobs" / "configs"

@@ -14,13 +14,12 @@ from conftest import build_tiny_dataset
 
 from app.config import build_config
 from app.dev.faults import SlowDownProxy, TcpProxy
+from app.elastic.checkpoint import checkpoint_dir_name, is_complete
+from app.observe.metrics import load_metrics
+from app.observe.records import load_events, load_heartbeats
+from app.observe.sinks import MlflowSink
 from app.storage import Store, join
-from app.train.checkpoint import checkpoint_dir_name, is_complete
-from app.train.records import load_events
 from app.train.launch import run_training
-from app.train.metrics import load_metrics
-from app.train.records import load_heartbeats
-from app.train.sinks import MlflowSink
 
 BASE = "s3://eft/models/tiny-faults"
 DATA = "s3://eft/data/fault-tests"
@@ -136,7 +135,7 @@ def test_throttling_and_a_dead_tracker_leave_the_run_unchanged(s3, clean_run, mo
 @pytest.fixture
 def mlflow_env(monkeypatch):
     """MlflowSink sets the MLflow variables in its process (a worker's); put them back after."""
-    from app.train.sinks import FORWARDED_MLFLOW_ENV
+    from app.observe.sinks import FORWARDED_MLFLOW_ENV
 
     for key in FORWARDED_MLFLOW_ENV:
         monkeypatch.delenv(key, raising=False)

@@ -1,4 +1,4 @@
-"""Grow without losing work (app/train/grow.py), without Ray: the driver's request and bounded
+"""Grow without losing work (app/elastic/grow.py), without Ray: the driver's request and bounded
 wait, and the workers' side, on the local S3. The real grow on a multi-node cluster is in
 tests/test_elastic.py."""
 
@@ -10,9 +10,9 @@ import uuid
 
 import pytest
 
+from app.elastic import checkpoint as ckpt
+from app.elastic.grow import REQUEST_FILE, GrowRequests, checkpoint_before_grow, done_uri
 from app.storage import Store, join
-from app.train import checkpoint as ckpt
-from app.train.grow import REQUEST_FILE, GrowRequests, checkpoint_before_grow, done_uri
 
 
 @pytest.fixture

@@ -388,12 +388,33 @@ def test_check_reports_bad_yaml_and_unknown_kinds(tmp_path):
     count, violations = kube.check_path(tmp_path)
     assert count == 2
     lines = [str(v) for v in violations]
-    assert lines[0].startswith(f"{tmp_path}/broken.yaml: <root>: not valid YAML")
+    assert lines[0] == (f"{tmp_path}/broken.yaml: <file>: not valid YAML at line 2, column 1 "
+                        f"(expected ',' or ']', but got '<stream end>')")
     assert lines[1] == f"{tmp_path}/deploy.yaml: kind: unknown apiVersion/kind apps/v1/Deployment"
     (tmp_path / "broken.yaml").unlink()
     (tmp_path / "deploy.yaml").unlink()
     with pytest.raises(ConfigError, match="no YAML manifests found"):
         kube.check_path(tmp_path)
+
+
+@pytest.mark.parametrize("name, content, why", [
+    ("notes.txt", b"just some words\n", "not a Kubernetes manifest (a YAML str, not a mapping with apiVersion and kind)"),
+    ("model.bin", b"\x89PNG\xff\xfe\x00\x01", "not valid YAML (not UTF-8 text)"),
+    ("empty.yaml", b"", "no YAML document in it (empty)"),
+    ("list.yaml", b"- a\n- b\n", "not a Kubernetes manifest (a YAML list, not a mapping with apiVersion and kind)"),
+])
+def test_check_names_a_file_that_is_not_a_manifest_and_why(tmp_path, capsys, name, content, why):
+    """`eft manifests --check FILE` on something that is not a manifest: the violation and the
+    closing line on stderr both name the file and say why, and the exit is non-zero."""
+    from app.cli import main
+
+    target = tmp_path / name
+    target.write_bytes(content)
+    code = main(["manifests", "--check", str(target)])
+    out, err = capsys.readouterr()
+    assert code == 1
+    assert out.strip() == f"{target}: <file>: {why}"
+    assert err.strip() == f"eft: 1 violation(s) in 1 manifest(s), the first: {target}: <file>: {why}"
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from app.train.mfu import PEAK_BF16_FLOPS, flops_per_token, mfu, model_flops_per_token, peak_flops
+from app.model.mfu import PEAK_BF16_FLOPS, flops_per_token, mfu, model_flops_per_token, peak_flops
 
 
 def test_full_finetuning_is_6n_plus_attention_and_lora_about_4n():

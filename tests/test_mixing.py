@@ -10,13 +10,13 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from app.batch import IGNORE_INDEX
 from app.config import ConfigError, build_config
 from app.data.engines import PrepareError
 from app.data.manifest import shard_uris
-from app.data.packing import IGNORE_INDEX
 from app.data.prepare import prepare_dataset
-from app.storage import Store
 from app.dev.tiny import build_corpus, save_tiny_base
+from app.storage import Store
 
 BASE_URI = "s3://eft/models/tiny-mix"
 SEQ_LEN = 64

@@ -18,12 +18,8 @@ SMALL = {"model_type": "llama", "hidden_size": 512, "intermediate_size": 1376, "
 # Blocks outweigh the embeddings here, as in real models.
 DEEP = {**SMALL, "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8, "num_attention_heads": 16,
         "num_key_value_heads": 16}
-LLAMA3_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-             "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
-             "max_position_embeddings": 8192, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
-             "tie_word_embeddings": False}
-LLAMA3_70B = {**LLAMA3_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
-              "num_attention_heads": 64}
+# The published configs of the reference jobs' models, as they ship with eft for planning.
+MODELS = Path(__file__).resolve().parents[1] / "jobs" / "models"
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -156,14 +152,19 @@ def test_cli_plan_json_and_its_one_line_errors(tmp_path, capsys):
     assert code != 0 and f"{missing}/config.json: cannot read the model config" in err and err.count("\n") == 1
 
 
-@pytest.mark.parametrize("name, model_config, node_type, expected", [
+@pytest.mark.parametrize("name, model_dir, node_type, expected", [
     # The conclusions the configs' comments quote from `eft plan`.
-    ("llama3-70b-lora", LLAMA3_70B, "p4d.24xlarge", {("fsdp", 16): True, ("fsdp", 32): True,
-                                                      ("ddp", 16): False, ("ddp", 32): False, "choice": "fsdp"}),
-    ("llama3-8b-lora", LLAMA3_8B, "p5.48xlarge", {("fsdp", 8): True, ("ddp", 8): True, "choice": "ddp"}),
+    ("llama3-70b-lora", "Meta-Llama-3-70B", "p4d.24xlarge", {("fsdp", 16): True, ("fsdp", 32): True,
+                                                             ("ddp", 16): False, ("ddp", 32): False,
+                                                             "choice": "fsdp"}),
+    ("llama3-8b-lora", "Meta-Llama-3-8B", "p5.48xlarge", {("fsdp", 8): True, ("ddp", 8): True, "choice": "ddp"}),
 ])
-def test_reference_jobs_fit_as_their_configs_say(tmp_path, capsys, name, model_config, node_type, expected):
-    model = write_model_config(tmp_path / name, model_config)
+def test_reference_jobs_fit_as_their_configs_say(monkeypatch, capsys, name, model_dir, node_type, expected):
+    """Planned from the published config.json that ships in jobs/models/, with no bucket at all:
+    storage points at a closed port, which any storage read would fail on."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    model = str(MODELS / model_dir)
+    assert f"--set model.uri=jobs/models/{model_dir}" in (CONFIGS / f"{name}.yaml").read_text()
     code, out, _ = run_cli(capsys, "plan", str(CONFIGS / f"{name}.yaml"), "--json", "--node-type", node_type,
                            "--set", f"model.uri={model}")
     assert code == 0

@@ -99,6 +99,23 @@ def test_train_refuses_in_one_line_before_ray_or_any_object(job, capsys, monkeyp
     assert run_objects(name) == []
 
 
+def test_prepare_refuses_a_seq_len_beyond_the_models_positions_before_reading_input(job, capsys):
+    """The same check as train's, at prepare: one line naming both numbers and the model, before
+    the dataset's lease is taken or the input is read (the input named here does not exist, and
+    reading it would be another error), and nothing written under the dataset's prefix."""
+    data = "s3://eft/data/preflight-too-long"
+    code = main(["prepare", str(job), "--set", f"model.uri={SHORT_BASE}", "--set", f"data.uri={data}",
+                 "--set", "prepare.input_uri=s3://eft/raw/no-such-input.jsonl"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and lines == [
+        f"eft: error: data.seq_len {SEQ_LEN} exceeds max_position_embeddings 16 of the model at {SHORT_BASE}"]
+    assert not boto3.client("s3").list_objects_v2(Bucket="eft", Prefix="data/preflight-too-long/").get("Contents")
+    # The model within its positions: the same command goes on to the input, and names it.
+    assert main(["prepare", str(job), "--set", f"data.uri={data}",
+                 "--set", "prepare.input_uri=s3://eft/raw/no-such-input.jsonl"]) == 1
+    assert "no-such-input.jsonl" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
 def test_train_waits_for_a_prepare_that_holds_the_dataset(job, capsys):
     with hold_prepare_lease(Store(), DATA) as lease:
         assert main(["train", str(job), "--set", "name=during-prepare"]) == 1

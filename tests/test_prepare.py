@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from app.batch import IGNORE_INDEX
 from app.cli import main
 from app.config import JobConfig, build_config, dump_config
 from app.data.engines import (
@@ -21,10 +22,10 @@ from app.data.engines import (
 )
 from app.data.lease import READERS_DIR, Lease, LeaseError, build_owner, hold_prepare_lease, hold_reader_lease, lease_uri
 from app.data.manifest import DatasetError, load_manifest, shard_uris
-from app.data.packing import IGNORE_INDEX, encode_texts
+from app.data.packing import encode_texts
 from app.data.prepare import prepare_dataset
-from app.storage import Store, join
 from app.dev.tiny import build_corpus, save_tiny_base
+from app.storage import Store, join
 
 BASE_URI = "s3://eft/models/tiny-prepare"
 SEQ_LEN = 64

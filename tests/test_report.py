@@ -20,13 +20,13 @@ import pytest
 from app import cli
 from app.config import build_config, dump_config
 from app.data.manifest import FORMAT_VERSION, manifest_uri
+from app.elastic.checkpoint import (TRAIN_STATE, build_sidecar, checkpoint_dir_name, list_checkpoints, list_local_files,
+                                    write_sidecar)
+from app.observe.metrics import METRICS_DIR, METRICS_FILE, MetricsLog, StepTimer, load_metrics
+from app.observe.records import Heartbeat, record_event
+from app.observe.summary import build_summary, write_summary
 from app.report import NO_VALIDATION_NOTE, build_status, load_run, run_state, save_report
 from app.storage import Store, join
-from app.train.summary import build_summary, write_summary
-from app.train.checkpoint import TRAIN_STATE, build_sidecar, checkpoint_dir_name, list_local_files, write_sidecar
-from app.train.records import record_event
-from app.train.metrics import METRICS_DIR, METRICS_FILE, MetricsLog, StepTimer, load_metrics
-from app.train.records import Heartbeat
 
 ROOT = "s3://eft/test-report/runs"
 REPO = Path(__file__).resolve().parents[1]
@@ -131,7 +131,8 @@ def finished_run(store):
     beat = start_worker_group(store, cfg, world=1, resumed_from_step=6)
     run_steps(store, cfg, beat, world=1, first=7, last=12)
     save_checkpoint(store, cfg.run_uri, 12, world=1)
-    summary = build_summary(store, cfg, status="succeeded", wall_s=3.0)
+    summary = build_summary(store, cfg, status="succeeded", wall_s=3.0,
+                            checkpoints=list_checkpoints(store, cfg.run_uri))
     write_summary(store, cfg.run_uri, summary)
     return cfg, summary
 
@@ -281,8 +282,8 @@ def test_no_run_here_is_one_line_and_non_zero(s3):
 
 
 def test_a_restart_breaks_into_phases_that_add_up_to_its_recovery():
+    from app.observe.summary import build_restart_phases
     from app.report import format_restart_phases
-    from app.train.summary import build_restart_phases
 
     prev = {"last_step_at": 100.0}
     between = [{"kind": "preemption_notice", "time": 99.0}, {"kind": "worker_group_failure", "time": 103.0},

@@ -4,7 +4,7 @@ gradient all-reduce per optimizer step instead of one reduction per block; compi
 equal eager ones, under FSDP2 with LoRA and under DDP with a full fine-tune.
 
 One spawn runs every variant (3 steps of 2 micro-batches each, the loop's step in miniature, on a
-2-layer hidden-64 Llama built by app.train.model.build_model); the tests read its results.
+2-layer hidden-64 Llama built by app.model.build.build_model); the tests read its results.
 Compilation runs on the "aot_eager" backend (dynamo + AOTAutograd, the same wiring as inductor
 without its C++ codegen, which takes minutes on a 2-core box)."""
 
@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 import pytest
+from numerics import assert_close
 
 SEQ, ACCUM, STEPS, VOCAB = 32, 2, 3, 300
 LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
@@ -51,18 +52,17 @@ def run_variant(cfg, model_dir: Path, rank: int, world: int) -> dict:
     """The loop's step: micro-batches with the gradient sync on the last only, the replicated
     gradients' all-reduce, clipping, AdamW; losses normalized by the global batch's label tokens."""
     import torch
-    import torch._dynamo
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
+    from app.compat import compiled_graph_count, reset_compile_state
     from app.dev.collectives import count_collectives
-    from app.train.loop import all_reduce_sum, grad_sync_context, loss_sum
-    from app.storage import Store
-    from app.train.model import build_model, resolve_precision, trainable_parameters
-    from app.train.sharding import (all_reduce_gradients, forward_autocast_dtype, is_compiled,
+    from app.model.build import build_model, resolve_precision, trainable_parameters
+    from app.model.sharding import (all_reduce_gradients, forward_autocast_dtype, is_compiled,
                                     replicated_parameters)
+    from app.storage import Store
+    from app.train.loop import all_reduce_sum, grad_sync_context, loss_sum
 
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
+    reset_compile_state()
     model = build_model(cfg, Store(), torch.device("cpu"), rank, world)
     params, replicated = trainable_parameters(model), replicated_parameters(model)
     autocast = forward_autocast_dtype(model, resolve_precision(cfg, torch.device("cpu")).param_dtype)
@@ -97,7 +97,7 @@ def run_variant(cfg, model_dir: Path, rank: int, world: int) -> dict:
     blocks = [m for m in model.modules() if any(c is LlamaDecoderLayer for c in type(m).__mro__)]
     out["blocks"] = len(blocks)
     out["blocks_compiled"] = sum(is_compiled(b) for b in blocks)
-    out["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    out["graphs"] = compiled_graph_count()
     return out
 
 
@@ -105,7 +105,7 @@ def _worker(rank: int, world: int, model_dir: str, port: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from app.train import sharding
+    from app.model import sharding
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -121,9 +121,8 @@ def _worker(rank: int, world: int, model_dir: str, port: int, out: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def results(tmp_path_factory, rank_processes):
     import torch
-    import torch.multiprocessing as mp
 
     from app.dev.local import find_free_port
     from app.dev.tiny import build_tiny_model, build_tiny_tokenizer
@@ -133,23 +132,20 @@ def results(tmp_path_factory):
     assert len(tokenizer) <= VOCAB
     build_tiny_model(tokenizer, hidden_size=64, num_layers=2).save_pretrained(model_dir)
     out = model_dir / "results.pt"
-    mp.spawn(_worker, args=(2, str(model_dir), find_free_port(), str(out)), nprocs=2)
+    rank_processes.spawn(_worker, args=(2, str(model_dir), find_free_port(), str(out)), nprocs=2)
     return torch.load(out, weights_only=False)
 
 
-def assert_same_run(got: dict, want: dict, rtol: float = 1e-5, atol: float = 1e-7) -> None:
-    import torch
-
+def assert_same_run(got: dict, want: dict, rtol: float = 1e-5, atol: float = 1e-6) -> None:
     assert got["losses"] == pytest.approx(want["losses"], rel=rtol)
     for kind in ("grads", "params"):
         assert set(got[kind]) == set(want[kind]) and got[kind], kind
         # AdamW steps sharded DTensors and plain tensors by different kernels (per tensor vs
         # foreach): the last bits differ, and m / sqrt(v) at lr 1e-2 grows them to ~1e-5 relative
         # in 3 steps. A wrong gradient (a missing average) moves weights by lr itself: 1e-2.
-        scale = 10 if kind == "params" else 1
+        widen = 10 if kind == "params" else 1
         for name, value in want[kind].items():
-            torch.testing.assert_close(got[kind][name], value, rtol=rtol * scale, atol=atol * scale,
-                                       msg=f"{kind} {name}")
+            assert_close(got[kind][name], value, rtol=rtol * widen, atol=atol * widen, msg=f"{kind} {name}")
 
 
 def test_replicated_adapters_follow_the_sharded_trajectory(results):

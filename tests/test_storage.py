@@ -115,7 +115,7 @@ def test_s3_writes_ride_out_an_outage_even_after_pickling(s3, caplog):
         assert Store().read_json("s3://eft/storage-tests/outage/snapshot.json") == {"ok": 1}
 
         # The driver's reads for the summary (a HEAD, a LIST, GETs) wait out an outage as well.
-        from app.train.metrics import MetricsLog, load_metrics
+        from app.observe.metrics import MetricsLog, load_metrics
 
         run = "s3://eft/storage-tests/outage/run"
         log = MetricsLog(store, run, enabled=True)
@@ -127,7 +127,7 @@ def test_s3_writes_ride_out_an_outage_even_after_pickling(s3, caplog):
 
         # An event written while storage is away: the caller goes on after `wait_s`, the write
         # goes on in the background and lands once the store is back.
-        from app.train.records import load_events, record_event
+        from app.observe.records import load_events, record_event
 
         proxy.refuse_for(600)
         with caplog.at_level("WARNING", logger="eft.records"):
@@ -164,9 +164,8 @@ def test_throttled_requests_are_retried_by_pyarrow_and_boto3(s3):
 def test_event_heartbeat_and_metrics_writes_degrade_to_a_warning(tmp_path, caplog):
     """Storage refusing writes (here: the run's path is under a file) costs warnings, not the
     run; the metric rows stay queued and go up whole once storage takes them again."""
-    from app.train.records import load_events, record_event
-    from app.train.metrics import MetricsLog, load_metrics
-    from app.train.records import Heartbeat
+    from app.observe.metrics import MetricsLog, load_metrics
+    from app.observe.records import Heartbeat, load_events, record_event
 
     blocker = tmp_path / "runs"
     blocker.write_text("not a directory")
@@ -198,7 +197,7 @@ def test_event_heartbeat_and_metrics_writes_degrade_to_a_warning(tmp_path, caplo
 def test_metric_segments_hold_each_row_once_and_readers_keep_the_committed_trajectory(s3):
     import json
 
-    from app.train.metrics import METRICS_DIR, METRICS_FILE, MetricsLog, load_metrics
+    from app.observe.metrics import METRICS_DIR, METRICS_FILE, MetricsLog, load_metrics
 
     store = Store()
     run = f"s3://eft/storage-tests/segments-{__import__('uuid').uuid4().hex[:6]}"
@@ -272,7 +271,7 @@ def test_tensorboard_event_files_go_up_once_each_and_read_back_in_order(s3, tmp_
     sees every step in order, and a resumed attempt's purge drops the steps it redoes."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from app.train.sinks import TensorBoardSink
+    from app.observe.sinks import TensorBoardSink
 
     class CountingStore(Store):
         put = 0
@@ -307,7 +306,7 @@ def test_a_ranged_file_reads_what_the_file_holds_wherever_reads_fall():
 
     import pyarrow as pa
 
-    from app.train.checkpoint import RangedFile
+    from app.elastic.checkpoint import RangedFile
 
     rng = random.Random(0)
     content = bytes(rng.getrandbits(8) for _ in range(100_000))
@@ -338,7 +337,7 @@ def test_a_checkpoint_in_storage_is_read_by_ranges_of_what_is_loaded(s3, monkeyp
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
-    from app.train import checkpoint as ckpt
+    from app.elastic import checkpoint as ckpt
 
     torch.manual_seed(0)
     saved = {"small": {f"t{i}": torch.randn(1000) for i in range(200)}, "big": torch.randn(500_000)}

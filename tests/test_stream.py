@@ -6,11 +6,10 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 
-from app.data.packing import IGNORE_INDEX
-from app.data.stream import DataOrder, RankSlice, iter_rank_rows, iter_step_batches
-from app.train.batch import BatchPlan
-from app.train.loop import lr_at, total_steps
+from app.batch import IGNORE_INDEX, BatchPlan
 from app.config import TrainingConfig
+from app.data.stream import DataOrder, RankSlice, iter_rank_rows, iter_step_batches
+from app.train.loop import lr_at, total_steps
 
 ORDER = DataOrder(shard_starts=(0, 7, 20, 31), shard_rows=(7, 13, 11, 9), seed=3)
 

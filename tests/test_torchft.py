@@ -4,8 +4,6 @@ replacement healing from it. Real torchft lighthouse, managers and process group
 
 from __future__ import annotations
 
-import multiprocessing as mp
-
 import numpy as np
 
 from bench.torchft_replicas import GLOBAL_BATCH, check_replicas, read_logs, run_group_process
@@ -29,7 +27,7 @@ def build_inputs(tmp_path):
     return step_rows.reshape(STEPS, GLOBAL_BATCH) + 1000
 
 
-def test_survivor_commits_alone_and_replacement_heals(tmp_path):
+def test_survivor_commits_alone_and_replacement_heals(tmp_path, rank_processes):
     from torchft.coordination import LighthouseServer
 
     step_ids = build_inputs(tmp_path)
@@ -38,7 +36,7 @@ def test_survivor_commits_alone_and_replacement_heals(tmp_path):
               "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}, "min_replicas": 1,
               "groups": 2, "log_dir": str(tmp_path / "logs"), "die_group": 1, "die_at": DIE_AT, "hold_at": HOLD_AT}
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, heartbeat_timeout_ms=1000)
-    ctx = mp.get_context("spawn")
+    ctx = rank_processes.get_context("spawn")
     try:
         procs = [ctx.Process(target=run_group_process, args=(g, config, lighthouse.address())) for g in (0, 1)]
         for p in procs:

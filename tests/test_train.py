@@ -14,12 +14,11 @@ from conftest import build_tiny_dataset
 
 from app.config import build_config
 from app.data.stream import DataOrder
+from app.elastic.checkpoint import list_checkpoints
+from app.observe.metrics import load_metrics
+from app.observe.records import load_events, load_heartbeats
 from app.storage import Store, join
-from app.train.checkpoint import list_checkpoints
-from app.train.records import load_events
 from app.train.launch import run_training
-from app.train.metrics import load_metrics
-from app.train.records import load_heartbeats
 
 BASE = "s3://eft/models/tiny-train"
 DATA = "s3://eft/data/train-tests"
@@ -31,7 +30,7 @@ def make_cfg(name: str, **sections):
         "name": name,
         "model": {"uri": BASE},
         # Dropout on: every trajectory test below (resume, 3 → 2 → 1 workers, DDP = FSDP2) holds with
-        # it, as the masks are keyed on rows, not ranks (app/train/dropout.py).
+        # it, as the masks are keyed on rows, not ranks (app/model/dropout.py).
         "lora": {"r": 8, "alpha": 16, "dropout": 0.1, "target_modules": ALL_LINEAR},
         "data": {"uri": DATA, "seq_len": 64, "validation_fraction": 0.05},
         "prepare": {"input_uri": "s3://eft/raw/train-tests.jsonl"},
@@ -106,8 +105,8 @@ def step_one_reference(manifest: dict, data_uri: str, row_ids: list[int], positi
     import torch
 
     from app.data.manifest import shard_uris
+    from app.model.build import load_pretrained
     from app.train.loop import label_tokens, loss_sum
-    from app.train.model import load_pretrained
 
     store = Store()
     table = pa.concat_tables([pq.read_table(store.resolve(u)[1], filesystem=store.resolve(u)[0])
@@ -140,7 +139,9 @@ def test_fsdp_run_keeps_packed_documents_apart(straight_run, dataset):
 
 def test_a_dataset_prepared_without_position_ids_trains_across_documents(straight_run, dataset, caplog):
     """An old dataset (no position_ids column, no manifest key): training runs, as before, with
-    cross-document attention and a note; step 1 equals the single-process loss without isolation."""
+    cross-document attention and a note; step 1 equals the single-process loss without isolation.
+    The run also checks its FSDP2 load against from_pretrained (tests/test_train.py's DDP run does
+    the same for DDP)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -157,8 +158,11 @@ def test_a_dataset_prepared_without_position_ids_trains_across_documents(straigh
     cfg = make_cfg("old-dataset", data={"uri": old_uri}, training={"max_steps": 2, "eval_every_steps": None},
                    checkpoint={"save_every_steps": 2})
     with caplog.at_level("WARNING", logger="app.data.stream"):
-        summary = run_training(cfg)
+        summary = run_checking_the_load(cfg.model_copy(update={"training": cfg.training.model_copy(
+            update={"parallelism": "fsdp"})}))
     assert any("prepared without position_ids" in r.getMessage() for r in caplog.records)
+    # The run's FSDP2 ranks read their own slices and loaded exactly what from_pretrained loads.
+    assert_loaded_what_from_pretrained_loads(cfg, "fsdp")
     assert summary["status"] == "succeeded" and summary["steps"] == 2
     metrics, reference = load_metrics(store, cfg.run_uri), straight_run[2]
     assert metrics[0]["row_ids"] == reference[0]["row_ids"]
@@ -243,49 +247,51 @@ def test_resume_continues_exactly_where_it_stopped(straight_run):
     assert summary["resumed_from_steps"] == [6] and summary["driver_restarts"] == 1
 
 
-def _gather_restored_state(config: dict) -> None:
-    """Worker fn: restore one checkpoint into a fresh model and optimizer at this world size,
-    gather the full trainable state, and save it from rank 0."""
-    import ray.train
-    import ray.train.torch
-    import torch
+def gather_trainable_state(model, optimizer) -> dict:
+    """The full trainable state of a (sharded) model and its optimizer, on CPU."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
 
-    from app.config import JobConfig
-    from app.train import checkpoint as ckpt
-    from app.train.model import build_model, trainable_parameters
-
-    cfg = JobConfig.model_validate(config["cfg"])
-    ctx = ray.train.get_context()
-    store = Store()
-    model = build_model(cfg, store, ray.train.torch.get_device(), ctx.get_world_rank(), ctx.get_world_size())
-    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=cfg.training.lr)
-    fs, path = store.resolve(config["checkpoint_uri"])
-    state = ckpt.restore(ray.train.Checkpoint(path, filesystem=fs), store, model, optimizer, lora=True)
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
-    gathered = {"model": get_model_state_dict(model, options=opts),
-                "optim": get_optimizer_state_dict(model, optimizer, options=opts), "step": state.step}
-    if ctx.get_world_rank() == 0:
-        torch.save(gathered, config["out"])
-    ray.train.report({})
+    return {"model": get_model_state_dict(model, options=opts),
+            "optim": get_optimizer_state_dict(model, optimizer, options=opts)}
 
 
-def gather_restored_state(cfg, checkpoint_uri: str, world: int, out: Path) -> dict:
+def _train_capturing_the_restored_state(config: dict, out: str) -> None:
+    """Worker fn: the training loop, with the state it restored gathered and saved by rank 0
+    before the first step (a checkpoint of another world size, resharded on load)."""
     import torch
-    from ray import cloudpickle
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
 
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
-    fs, root = Store().resolve(cfg.storage.root_uri)
-    TorchTrainer(
-        _gather_restored_state,
-        train_loop_config={"cfg": cfg.model_dump(mode="json"), "checkpoint_uri": checkpoint_uri, "out": str(out)},
-        scaling_config=ScalingConfig(num_workers=world, resources_per_worker={"CPU": 1}),
-        run_config=RunConfig(name=f"{cfg.name}-gather-{world}", storage_path=root, storage_filesystem=fs),
-    ).fit()
-    return torch.load(out, weights_only=False)
+    from app.train import loop
+
+    w = loop.setup(config)
+    loop.resume(w, config)
+    gathered = {**gather_trainable_state(w.model.module, w.model.optimizer), "step": w.progress.step}
+    if w.rank == 0:
+        torch.save(gathered, out)
+    loop.train(w)
+    loop.report(w)
+
+
+def restore_in_this_process(cfg, checkpoint_uri: str) -> dict:
+    """One rank, no Ray: the checkpoint restored into a fresh model and optimizer, gathered."""
+    import ray.train
+    import torch
+    import torch.distributed as dist
+
+    from app.elastic import checkpoint as ckpt
+    from app.model.build import build_model, trainable_parameters
+
+    store = Store()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = build_model(cfg, store, torch.device("cpu"), 0, 1)
+        optimizer = torch.optim.AdamW(trainable_parameters(model), lr=cfg.training.lr)
+        fs, path = store.resolve(checkpoint_uri)
+        state = ckpt.restore(ray.train.Checkpoint(path, filesystem=fs), store, model, optimizer, lora=True)
+        return {**gather_trainable_state(model, optimizer), "step": state.step}
+    finally:
+        dist.destroy_process_group()
 
 
 def read_checkpoint_offline(checkpoint_uri: str, work: Path) -> dict:
@@ -304,15 +310,25 @@ def read_checkpoint_offline(checkpoint_uri: str, work: Path) -> dict:
 @pytest.fixture(scope="module")
 def reshard_run(straight_run, tmp_path_factory):
     """3 workers (8 rows split 3/3/2, padded) to step 4 → 2 workers to step 8 → 1 worker to 12.
-    Right after the 3-worker checkpoint, its state is also restored at 2 and at 1 worker(s)."""
+    The 3-worker checkpoint's state as the 2-worker run restored it (gathered before its first
+    step), and as one rank restores it in this process, beside the checkpoint read offline."""
+    import functools
+
+    import torch
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
     work = tmp_path_factory.mktemp("reshard")
     padded = {"pad_uneven_batches": True}
     three = make_cfg("reshard", training={**padded, "max_steps": 4}, scaling={"min_workers": 3, "max_workers": 3})
     run_training(three)
     checkpoint_uri = list_checkpoints(Store(), three.run_uri)[-1]
-    restored = {w: gather_restored_state(three, checkpoint_uri, w, work / f"w{w}.pt") for w in (2, 1)}
     offline = read_checkpoint_offline(checkpoint_uri, work)
-    run_training(make_cfg("reshard", training={**padded, "max_steps": 8}))
+    restored = {1: restore_in_this_process(three.model_copy(update={"scaling": three.scaling.model_copy(
+        update={"min_workers": 1, "max_workers": 1})}), checkpoint_uri)}
+    run_training(make_cfg("reshard", training={**padded, "max_steps": 8}),
+                 train_fn=functools.partial(_train_capturing_the_restored_state, out=str(work / "w2.pt")))
+    restored[2] = torch.load(work / "w2.pt", weights_only=False)
     summary = run_training(make_cfg("reshard", training=padded, scaling={"min_workers": 1, "max_workers": 1}))
     return summary, load_metrics(Store(), three.run_uri), restored, offline
 
@@ -355,16 +371,15 @@ def _cut_off_the_first_upload_of_step_9(config: dict) -> None:
     import os
 
     import pyarrow.fs as pafs
-    from ray.train.v2._internal.execution import storage as ray_storage
 
+    from app.compat import patch_checkpoint_copy
     from app.config import JobConfig
     from app.train.loop import train_loop_per_worker
 
     cfg = JobConfig.model_validate(config["cfg"])
     store, marker = Store(), join(cfg.run_uri, "upload-cut-off")
-    upload = ray_storage._pyarrow_fs_copy_files
 
-    def cut_off(source, destination, source_filesystem=None, destination_filesystem=None, **kwargs):
+    def cut_off(upload, source, destination, source_filesystem=None, destination_filesystem=None, **kwargs):
         names = sorted(os.listdir(source)) if os.path.isdir(source) else []
         if destination.rstrip("/").endswith("checkpoint-00000009") and ".metadata" in names \
                 and not store.exists(marker):
@@ -376,7 +391,7 @@ def _cut_off_the_first_upload_of_step_9(config: dict) -> None:
             os._exit(1)
         return upload(source, destination, source_filesystem, destination_filesystem, **kwargs)
 
-    ray_storage._pyarrow_fs_copy_files = cut_off
+    patch_checkpoint_copy(lambda upload: lambda *args, **kwargs: cut_off(upload, *args, **kwargs))
     train_loop_per_worker(config)
 
 
@@ -419,10 +434,12 @@ def test_a_torn_checkpoint_directory_is_not_listed(straight_run):
         fs.delete_dir(torn)
 
 
-def test_ddp_follows_the_same_trajectory_as_fsdp(straight_run):
+def test_ddp_loads_what_from_pretrained_loads_and_follows_the_fsdp_trajectory(straight_run):
     _, _, reference = straight_run
-    summary = run_training(make_cfg("ddp", training={"parallelism": "ddp", "max_steps": 3}))
-    metrics = load_metrics(Store(), make_cfg("ddp").run_uri)
+    cfg = make_cfg("ddp", training={"parallelism": "ddp", "max_steps": 3})
+    summary = run_checking_the_load(cfg)
+    assert_loaded_what_from_pretrained_loads(cfg, "ddp")
+    metrics = load_metrics(Store(), cfg.run_uri)
     assert summary["status"] == "succeeded" and summary["steps"] == 3
     assert [m["step"] for m in metrics] == [1, 2, 3]
     assert step_rows(metrics) == step_rows(reference[:3])
@@ -442,7 +459,7 @@ def test_full_finetune_checkpoints_every_weight(dataset):
 
 def test_train_rejects_bad_inputs_before_ray_work(dataset):
     from app.data.manifest import DatasetError
-    from app.train.model import ModelError
+    from app.model.architecture import ModelError
 
     with pytest.raises(DatasetError, match="s3://eft/data/nothing-here"):
         run_training(make_cfg("bad-data", data={"uri": "s3://eft/data/nothing-here"}))
@@ -494,57 +511,50 @@ def test_events_record_each_worker_group(straight_run):
     assert driver["time"] <= marks[0] and marks == sorted(marks) and marks[3] <= group["time"]
 
 
-def _compare_sharded_load(config: dict) -> None:
-    """Worker fn: build the model the scalable way, gather it, compare with from_pretrained."""
-    import ray.train
-    import ray.train.torch
+def _train_checking_what_was_loaded(config: dict, check_uri: str) -> None:
+    """Worker fn: the training loop, with the model it built and loaded (meta device, each rank's
+    own reads) gathered before the first step and compared by rank 0 with a plain
+    from_pretrained (+ the same deterministic LoRA init); the findings go to `check_uri`."""
     import torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from app.config import JobConfig
-    from app.storage import Store
-    from app.train.model import build_model, load_pretrained
-    from app.train.weights import record_weights_loaded
+    from app.model.build import load_pretrained
+    from app.train import loop
 
-    cfg = JobConfig.model_validate(config["cfg"])
-    ctx = ray.train.get_context()
-    model_store = Store()
-    model = build_model(cfg, model_store, ray.train.torch.get_device(), ctx.get_world_rank(), ctx.get_world_size())
-    record_weights_loaded(Store(), cfg, ctx.get_world_rank(), model_store.bytes_read, 0.0,
-                          bytes_cached=model_store.bytes_cached)
-    gathered = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    metrics = {"keys": len(gathered)}
-    if ctx.get_world_rank() == 0:
-        local_dir = Store().cache_locally(cfg.model.uri)
-        reference = load_pretrained(local_dir, torch.float32, cfg.lora, cfg.training.seed).state_dict()
+    w = loop.setup(config)
+    gathered = get_model_state_dict(w.model.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if w.rank == 0:
+        local_dir = Store().cache_locally(w.cfg.model.uri)
+        reference = load_pretrained(local_dir, torch.float32, w.cfg.lora, w.cfg.training.seed).state_dict()
         assert set(gathered) == set(reference), set(gathered) ^ set(reference)
-        metrics["max_abs_diff"] = max(float((gathered[k] - reference[k]).abs().max()) for k in reference)
-        # The adapters' init is drawn, not loaded: A random (the same as the reference's), B zero.
-        metrics["lora_a_std"] = min(float(v.std()) for k, v in gathered.items() if ".lora_A." in k)
+        found = {"keys": len(gathered),
+                 "max_abs_diff": max(float((gathered[k] - reference[k]).abs().max()) for k in reference),
+                 # The adapters' init is drawn, not loaded: A random (the same as the reference's), B zero.
+                 "lora_a_std": min(float(v.std()) for k, v in gathered.items() if ".lora_A." in k)}
         # Rotary frequencies are non-persistent buffers: they must survive the meta-device build.
-        rotary = [b for n, b in model.named_buffers() if n.endswith("inv_freq")]
+        rotary = [b for n, b in w.model.module.named_buffers() if n.endswith("inv_freq")]
         ref_rotary = [b for n, b in load_pretrained(local_dir, torch.float32).named_buffers() if n.endswith("inv_freq")]
-        metrics["rotary_diff"] = max(float((a - b).abs().max()) for a, b in zip(rotary, ref_rotary))
-        Store().write_json(join(cfg.run_uri, "load-check.json"), metrics)
-    ray.train.report(metrics)
+        found["rotary_diff"] = max(float((a - b).abs().max()) for a, b in zip(rotary, ref_rotary))
+        Store().write_json(check_uri, found)
+    loop.resume(w, config)
+    loop.train(w)
+    loop.report(w)
 
 
-@pytest.mark.parametrize("parallelism", ["fsdp", "ddp"])
-def test_sharded_load_equals_from_pretrained(dataset, parallelism):
-    """Meta-device build + each rank's own reads (FSDP2: its slices from S3; DDP: the node's one
-    download) == a plain from_pretrained (+ the same deterministic LoRA init)."""
+def run_checking_the_load(cfg) -> dict:
+    """`run_training` with `_train_checking_what_was_loaded`; returns its summary."""
+    import functools
+
     from ray import cloudpickle
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
-    cfg = make_cfg(f"load-{parallelism}", training={"parallelism": parallelism})
-    fs, root = Store().resolve(cfg.storage.root_uri)
-    TorchTrainer(
-        _compare_sharded_load, train_loop_config={"cfg": cfg.model_dump(mode="json")},
-        scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
-        run_config=RunConfig(name=cfg.name, storage_path=root, storage_filesystem=fs),
-    ).fit()
+    return run_training(cfg, train_fn=functools.partial(_train_checking_what_was_loaded,
+                                                        check_uri=join(cfg.run_uri, "load-check.json")))
+
+
+def assert_loaded_what_from_pretrained_loads(cfg, parallelism: str) -> None:
+    """Meta-device build + each rank's own reads (FSDP2: its slices from S3; DDP: the node's one
+    download) == a plain from_pretrained (+ the same deterministic LoRA init)."""
     check = Store().read_json(join(cfg.run_uri, "load-check.json"))
     assert check["keys"] > 20
     assert check["max_abs_diff"] == 0.0

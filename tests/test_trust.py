@@ -19,13 +19,13 @@ from app.config import build_config
 from app.data.manifest import load_manifest
 from app.data.prepare import prepare_dataset
 from app.dev.demo import DemoBucketError, check_demo_bucket, is_loopback_endpoint
+from app.elastic import checkpoint as ckpt
+from app.elastic.resume import ResumeError, build_identity, check_resume, dataset_fingerprint
 from app.export import ExportError, export_run
+from app.observe import records
+from app.observe.metrics import load_metrics
 from app.storage import Store, join
-from app.train import checkpoint as ckpt
-from app.train import records
 from app.train.launch import run_training
-from app.train.metrics import load_metrics
-from app.train.resume import ResumeError, build_identity, check_resume, dataset_fingerprint
 
 BASE = "s3://eft/models/tiny-trust"
 DATA = "s3://eft/data/trust"

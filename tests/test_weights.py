@@ -7,18 +7,15 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from app.model.architecture import ModelError
+from app.model.weights import init_adapter, list_safetensors, read_header, read_safetensors_index
 from app.storage import Store, join
-from app.train.model import ModelError
-from app.train.weights import init_adapter, list_safetensors, read_header, read_safetensors_index
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def save_checkpoint(tmp_path: Path, uri: str) -> dict[str, torch.Tensor]:
@@ -91,13 +88,13 @@ def test_adapter_init_is_a_function_of_seed_and_name():
         init_adapter("x.lora_magnitude_vector.default.weight", (8,), seed=0)
 
 
-def test_each_node_reads_its_share_and_the_model_equals_from_pretrained(s3, tmp_path):
+def test_each_node_reads_its_share_and_the_model_equals_from_pretrained(s3, tmp_path, run_scenario):
     """2 nodes x 1 FSDP2 worker on a real multi-node Ray cluster: each node reads at most
     1.2 x weights / 2 from storage, and the loaded model (bf16 on S3 → fp32, sharded index, LoRA)
     equals from_pretrained's exactly."""
     from app.config import build_config
     from app.dev.tiny import build_corpus, save_tiny_base
-    from app.train.records import load_events
+    from app.observe.records import load_events
 
     base = "s3://eft/models/tiny-multinode"
     save_tiny_base(Store(), base, texts=build_corpus(max_docs=40), hidden_size=256, num_layers=4, num_heads=4,
@@ -107,8 +104,7 @@ def test_each_node_reads_its_share_and_the_model_equals_from_pretrained(s3, tmp_
         "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj", "down_proj"]},
         "data": {"uri": "s3://eft/data/unused", "seq_len": 64},
         "training": {"parallelism": "fsdp", "seed": 7, "max_steps": 1}, "storage": {"root_uri": "s3://eft/runs-weights"}})
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "scenarios" / "weights_load.py"),
-                           cfg.model_dump_json(), s3.endpoint], capture_output=True, text=True, timeout=600)
+    proc = run_scenario("weights_load", cfg.model_dump_json(), s3.endpoint, timeout_s=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     check = Store().read_json(join(cfg.run_uri, "load-check.json"))
     assert check["max_abs_diff"] == 0.0 and check["rotary_diff"] == 0.0 and check["lora_a_std"] > 0.01
@@ -126,8 +122,8 @@ def test_a_tied_head_reads_the_embedding_it_is_tied_to(tmp_path):
     fills it from the embedding's bytes, as from_pretrained ties it."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from app.train.model import build_meta_model
-    from app.train.weights import load_owned_weights
+    from app.model.build import build_meta_model
+    from app.model.weights import load_owned_weights
 
     config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True)
@@ -153,8 +149,8 @@ def test_a_model_without_safetensors_falls_back_to_the_rank0_broadcast(tmp_path)
 
     from app.config import build_config
     from app.dev.local import find_free_port
-    from app.train.model import build_model, load_pretrained
-    from app.train.weights import load_mode
+    from app.model.build import build_model, load_pretrained
+    from app.model.weights import load_mode
 
     config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=4)
@@ -181,8 +177,8 @@ def test_a_model_without_safetensors_falls_back_to_the_rank0_broadcast(tmp_path)
 def load_through_cache(ckpt_dir: Path, uri: str, cache: Path) -> tuple[dict[str, torch.Tensor], Store]:
     """The model at `uri` loaded the ranged way through the slice cache under `cache`, on a Store of
     its own: what the load read from storage is its bytes_read."""
-    from app.train.model import build_meta_model
-    from app.train.weights import load_owned_weights
+    from app.model.build import build_meta_model
+    from app.model.weights import load_owned_weights
 
     model, buffers = build_meta_model(ckpt_dir, torch.float32)
     files = list_safetensors(Store(), uri)
@@ -195,7 +191,7 @@ def test_a_second_load_on_the_node_reads_its_slices_from_the_node_cache(s3, tmp_
     """The second load reads nothing from storage and gives the same tensors; a torn (short) slice
     file, or a writer's leftover temp file, is never taken for a complete slice: that slice alone
     is read again. Other ranges (another world size) miss and come from storage."""
-    from app.train.weights import open_slice_cache, read_safetensors_index
+    from app.model.weights import open_slice_cache, read_safetensors_index
 
     uri, cache = "s3://eft/models/slice-cache", tmp_path / "cache"
     save_checkpoint(tmp_path / "ckpt", uri)

@@ -14,6 +14,7 @@ Both yield tokenized documents (TOKENIZED_SCHEMA) in input order; what happens t
 from __future__ import annotations
 
 import collections
+from collections import Counter
 import contextlib
 import logging
 import os
@@ -30,10 +31,11 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from app.batch import IGNORE_INDEX
 from app.config import JobConfig
 from app.data.chat import ChatFormat, span_token_mask, tokens_before
 from app.data.formats import Document, Parsed, Skip, build_document, parse_json_line, parse_jsonl_block
-from app.data.packing import IGNORE_INDEX, encode_documents, encode_texts
+from app.data.packing import encode_documents, encode_texts
 from app.storage import Store, StorageError
 
 log = logging.getLogger(__name__)
@@ -104,6 +106,21 @@ def list_input_files(store: Store, input_uri: str, input_format: str) -> InputFi
 def relative_source(path: str, base: str) -> str:
     prefix = base.rstrip("/") + "/"
     return path[len(prefix):] if path.startswith(prefix) else posixpath.basename(path)
+
+
+def number_parquet_rows(sources: list[str], counters: Counter) -> np.ndarray:
+    """1-based row numbers within each source file, continuing across batches."""
+    lines = np.empty(len(sources), dtype=np.int64)
+    for i, source in enumerate(sources):
+        counters[source] += 1
+        lines[i] = counters[source]
+    return lines
+
+
+def encode_sources(column: pa.ChunkedArray) -> tuple[list[str], np.ndarray]:
+    """A batch's source column → (distinct names, per-row index into them); a batch holds few files."""
+    encoded = column.combine_chunks().dictionary_encode()
+    return encoded.dictionary.to_pylist(), encoded.indices.to_numpy(zero_copy_only=False)
 
 
 # -- parse and tokenize (both engines: in Ray tasks and actors, or in this process) ---------
@@ -349,9 +366,27 @@ def load_chat_format(cfg: JobConfig, store: Store, tokenizer) -> Optional[ChatFo
     if not template:
         raise PrepareError(f"tokenizer at {cfg.tokenizer_uri} has no chat template: set prepare.chat_template "
                            f"to a Jinja file for format {p.format!r}")
+    check_chat_template(template, f"prepare.chat_template {p.chat_template}" if p.chat_template else
+                        f"the chat template of the tokenizer at {cfg.tokenizer_uri}")
     return ChatFormat(p.format, template, tokenizer.special_tokens_map, train_on=p.train_on,
                       messages_field=p.messages_field, conversations_field=p.conversations_field,
                       sharegpt_roles=p.sharegpt_roles)
+
+
+def check_chat_template(template: str, where: str) -> None:
+    """Compile a chat template as transformers will: a syntax error is one line naming `where` and
+    the template's line, before any record is read. Whether the template accepts a conversation is
+    each record's business (a refusal is a counted skip), so only syntax is checked here."""
+    import jinja2
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    try:
+        render_jinja_template(conversations=[[{"role": "user", "content": "ping"}]], chat_template=template,
+                              add_generation_prompt=True)
+    except jinja2.TemplateSyntaxError as err:
+        raise PrepareError(f"{where}: not valid Jinja at line {err.lineno}: {err.message}") from None
+    except Exception:  # noqa: BLE001: it compiled; rendering this one sample is not the point
+        pass
 
 
 def read_chat_template(cfg: JobConfig, store: Store, tokenizer) -> Optional[str]:

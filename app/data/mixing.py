@@ -31,9 +31,8 @@ from app.config import InputSource, JobConfig
 from app.data.chat import ChatFormat
 from app.data.engines import (
     BATCHES_PER_BLOCK, InputFiles, PrepareError, iter_local_documents, iter_local_tokenized, list_input_files,
-    load_chat_format, relative_source,
+    encode_sources, load_chat_format, number_parquet_rows, relative_source,
 )
-from app.data.prepare import encode_sources, number_parquet_rows
 from app.storage import Store, join
 
 

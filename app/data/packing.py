@@ -25,9 +25,9 @@ from typing import Callable, Iterable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
+from app.batch import IGNORE_INDEX
 from app.data.formats import Document
 
-IGNORE_INDEX = -100
 TOKEN_DTYPE = np.int32
 
 

@@ -32,20 +32,22 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from app.batch import IGNORE_INDEX
 from app.config import JobConfig
 from app.data.chat import ChatFormat
 from app.data.engines import (
-    OVERLONG_OUTCOMES, InputFiles, PrepareError, TokenizerSpec, build_list_array, choose_engine, export_backend,
-    iter_local_tokenized, iter_ray_tokenized, list_input_files, load_chat_format, load_tokenizer, local_thread_count,
-    relative_source,
+    OVERLONG_OUTCOMES, InputFiles, PrepareError, TokenizerSpec, build_list_array, check_chat_template, choose_engine,
+    encode_sources, export_backend, iter_local_tokenized, iter_ray_tokenized, list_input_files, load_chat_format,
+    load_tokenizer, local_thread_count, number_parquet_rows, relative_source,
 )
 from app.data.lease import Lease, check_no_live_readers, hold_prepare_lease
 from app.data.manifest import (
     FORMAT_VERSION, SHARDS_PREFIX, commit_manifest, delete_unreferenced_shards, manifest_uri, read_committed_manifest,
     referenced_shard_dirs,
 )
-from app.data.packing import IGNORE_INDEX, Packer, source_key, validation_mask
-from app.storage import Store, join
+from app.data.packing import Packer, source_key, validation_mask
+from app.model.architecture import check_seq_len, load_model_config
+from app.storage import Store, StorageError, join
 
 log = logging.getLogger(__name__)
 
@@ -163,21 +165,6 @@ class SplitBuilder:
         self.writer.finish()
         return {"rows": self.writer.rows, "tokens": self.tokens, "label_tokens": self.label_tokens,
                 "shards": self.writer.shards}
-
-
-def number_parquet_rows(sources: list[str], counters: Counter) -> np.ndarray:
-    """1-based row numbers within each source file, continuing across batches."""
-    lines = np.empty(len(sources), dtype=np.int64)
-    for i, source in enumerate(sources):
-        counters[source] += 1
-        lines[i] = counters[source]
-    return lines
-
-
-def encode_sources(column: pa.ChunkedArray) -> tuple[list[str], np.ndarray]:
-    """A batch's source column → (distinct names, per-row index into them); a batch holds few files."""
-    encoded = column.combine_chunks().dictionary_encode()
-    return encoded.dictionary.to_pylist(), encoded.indices.to_numpy(zero_copy_only=False)
 
 
 def flatten_tokens(batch: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -336,6 +323,7 @@ def prepare_dataset(cfg: JobConfig, store: Optional[Store] = None) -> dict:
     if cfg.prepare is None:
         raise PrepareError("config has no `prepare` section (set prepare.input_uri)")
     store = store or Store.from_config(cfg.storage)
+    preflight(cfg, store)
     started = time.monotonic()
     # One writer per dataset prefix: without the lease, two prepares would each delete the
     # other's in-progress shards as unreferenced.
@@ -347,6 +335,30 @@ def prepare_dataset(cfg: JobConfig, store: Optional[Store] = None) -> dict:
         if cfg.prepare.inputs is not None:
             return prepare_mixture(cfg, store, hf_tokenizer, started, lease)
         return prepare_single(cfg, store, hf_tokenizer, started, lease)
+
+
+def preflight(cfg: JobConfig, store: Store) -> None:
+    """What can be checked before the lease is taken and any input is read, each failure one line
+    within seconds: every location reachable (a short retry budget: a person is waiting), a chat
+    template file that compiles, and data.seq_len within the model's positions (the check `eft
+    train` makes, when the model is already there to read)."""
+    quick = Store(store.endpoint, store.region, interactive=True)
+    p = cfg.prepare
+    sources = [p.input_uri] if p.input_uri is not None else [source.uri for source in p.inputs]
+    for uri in dict.fromkeys([cfg.data.uri, cfg.tokenizer_uri, cfg.model.uri, *sources,
+                              *([p.chat_template] if p.chat_template else [])]):
+        quick.check_reachable(uri)
+    if p.chat_template:
+        try:
+            template = quick.read_text(p.chat_template)
+        except (StorageError, OSError, UnicodeDecodeError) as err:
+            raise PrepareError(f"cannot read prepare.chat_template {p.chat_template}: {err}") from None
+        check_chat_template(template, f"prepare.chat_template {p.chat_template}")
+    if quick.exists(join(cfg.model.uri, "config.json")):
+        check_seq_len(cfg.data.seq_len, load_model_config(quick, cfg.model.uri), cfg.model.uri)
+    else:
+        log.info("prepare: no config.json at model.uri %s yet; eft train checks data.seq_len against the model",
+                 cfg.model.uri)
 
 
 def prepare_single(cfg: JobConfig, store: Store, hf_tokenizer, started: float, lease: Lease) -> dict:

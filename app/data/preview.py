@@ -17,14 +17,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from app.batch import IGNORE_INDEX
 from app.config import JobConfig
 from app.data.chat import ChatFormat
 from app.data.engines import (
     InputFiles, PrepareError, TokenizeDocuments, document_fields, list_input_files, load_chat_format, load_tokenizer,
-    parse_jsonl_files, parse_parquet_rows
+    number_parquet_rows, parse_jsonl_files, parse_parquet_rows
 )
-from app.data.packing import IGNORE_INDEX
-from app.data.prepare import describe_tokenizer, number_parquet_rows, tokenizer_spec
+from app.data.prepare import describe_tokenizer, tokenizer_spec
 from app.storage import Store
 
 READ_CHUNK = 1 << 20

@@ -24,8 +24,7 @@ from typing import Iterator, Optional
 
 import numpy as np
 
-from app.data.packing import IGNORE_INDEX as IGNORE
-from app.train.batch import BatchPlan
+from app.batch import IGNORE_INDEX as IGNORE, BatchPlan
 
 log = logging.getLogger(__name__)
 READ_CPUS = 0.25

@@ -18,10 +18,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+from app.compat import drain_node_for_preemption
+from app.elastic.checkpoint import checkpoint_dir_name, is_complete
+from app.observe.records import load_events, load_heartbeats
 from app.storage import Store, join
-from app.train.checkpoint import checkpoint_dir_name, is_complete
-from app.train.records import load_events
-from app.train.records import load_heartbeats
 
 SLOT = "trainer_slot"  # one per simulated node, so each training worker lands on its own node
 # A node killed outright is declared dead after missed health checks: 3 x 1 s instead of
@@ -62,14 +62,8 @@ class LocalCluster:
     def preempt(self, node, deadline_s: float) -> bool:
         """A spot reclaim notice: drain `node` with reason PREEMPTION, going in `deadline_s`.
         Returns whether the GCS accepted it."""
-        import ray
-        from ray.core.generated import autoscaler_pb2
-
-        gcs = ray._raylet.GcsClient(address=self.address)
-        reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
-        accepted, _ = gcs.drain_node(node.node_id, reason, "spot reclaim (rehearsal)",
-                                     int((time.time() + deadline_s) * 1000))
-        return bool(accepted)
+        return drain_node_for_preemption(self.address, node.node_id, int((time.time() + deadline_s) * 1000),
+                                         "spot reclaim (rehearsal)")
 
     def remove(self, node, graceful: bool) -> None:
         """graceful: the node goes the way a drained spot node does; else killed outright."""

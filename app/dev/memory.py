@@ -13,8 +13,9 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_flatten
+from app.compat import dispatch_mode_api
+
+TorchDispatchMode, is_traceable_wrapper_subclass, tree_flatten = dispatch_mode_api()
 
 
 class PeakTracker(TorchDispatchMode):
@@ -86,16 +87,16 @@ class PeakTracker(TorchDispatchMode):
 
 
 def measure_training_peak(cfg, rank: int, world: int, steps: int = 2) -> dict:
-    """Build the model from cfg.model.uri as a worker does (app.train.model.build_model: FSDP2 or
+    """Build the model from cfg.model.uri as a worker does (app.model.build.build_model: FSDP2 or
     DDP, precision, activation checkpointing) inside a tracker, then run `steps` optimizer steps of
-    the loop's own forward/backward (app.train.loss.loss_sum after apply_loss, the adapters'
+    the loop's own forward/backward (app.model.loss.loss_sum after apply_loss, the adapters'
     gradient reduction) on random tokens. Returns the peak of the steps (the build's own transient copies are not part of training) and the bytes held
     before them. Needs torch.distributed initialized (gloo)."""
+    from app.model.build import build_model, resolve_precision, trainable_parameters
+    from app.model.loss import apply_loss, loss_sum
+    from app.model.sharding import all_reduce_gradients, forward_autocast_dtype, replicated_parameters
     from app.storage import Store
     from app.train.loop import grad_sync_context
-    from app.train.loss import apply_loss, loss_sum
-    from app.train.model import build_model, resolve_precision, trainable_parameters
-    from app.train.sharding import all_reduce_gradients, forward_autocast_dtype, replicated_parameters
 
     device = torch.device("cpu")
     t = cfg.training

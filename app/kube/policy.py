@@ -14,12 +14,12 @@ from typing import Any, Iterator, Optional
 import yaml
 
 from app.config import ConfigError, JobConfig, build_config
+from app.kube.fabric import EFA_RESOURCE, NODE_TYPE_ANNOTATION, needs_fabric
 from app.kube.render import (API_TOKEN_MOUNT, CONFIG_MOUNT, DRAIN_ENV, ENTRYPOINT, GPU_RESOURCE,
                              HEAD_CLIENT_PORTS, KUEUE_QUEUE_LABEL, RUN_LABEL, SAFE_TO_EVICT, SPOT_LABELS, TMP_MOUNT,
                              build_manifests, check_image, warn_image)
-from app.kube.fabric import DAEMONS, EFA_RESOURCE, FABRICS, NODE_TYPE_ANNOTATION, Fabric, needs_fabric
-from app.kube.render import NODE_TYPES
 from app.kube.schema import ERROR, WARNING, Violation, check_schema, format_path, load_schemas
+from app.nodes import DAEMONS, FABRICS, NODE_TYPES, Fabric
 
 SECRET_NAME = re.compile(r"SECRET|PASSWORD|TOKEN|ACCESS_KEY|API_KEY|CREDENTIAL|PRIVATE_KEY", re.I)
 AWS_KEY_ID = re.compile(r"(?<![A-Z0-9])(AKIA|ASIA)[A-Z0-9]{16}(?![A-Z0-9])")
@@ -463,9 +463,36 @@ def errors_of(violations: list[Violation]) -> list[Violation]:
     return [v for v in violations if v.severity == ERROR]
 
 
+class Unreadable(str):
+    """Why a file under --check holds no manifest (it cannot be read, is not YAML, or a document
+    in it is not a mapping): reported as a violation naming the file."""
+
+
+def read_yaml_documents(path: Path) -> list[Any]:
+    """The documents of one file; Unreadable entries for what is not a manifest."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        return [Unreadable("not valid YAML (not UTF-8 text)")]
+    except OSError as err:
+        return [Unreadable(f"cannot read it ({err.strerror or type(err).__name__})")]
+    try:
+        found = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        return [Unreadable(f"not valid YAML{where} ({getattr(err, 'problem', None) or err})")]
+    if not found:
+        return [Unreadable("no YAML document in it (empty)")]
+    return [d if isinstance(d, dict) else
+            Unreadable(f"not a Kubernetes manifest (a YAML {type(d).__name__}, not a mapping with apiVersion "
+                       f"and kind)") for d in found]
+
+
 def load_documents(target: str | Path) -> list[tuple[str, Any]]:
-    """(label, document) for every YAML document under a file or directory. Kustomization files
-    are not manifests and are skipped; a multi-document file labels each `file#Kind/name`."""
+    """(label, document) for every YAML document under a file or directory; a file that holds no
+    manifest gives (file, Unreadable(why)). Kustomization files are not manifests and are skipped;
+    a multi-document file labels each `file#Kind/name`."""
     target = Path(target)
     if not target.exists():
         raise ConfigError(f"--check: {target}: no such file or directory")
@@ -474,11 +501,7 @@ def load_documents(target: str | Path) -> list[tuple[str, Any]]:
     for path in files:
         if path.name in ("kustomization.yaml", "kustomization.yml"):
             continue
-        try:
-            found = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
-        except yaml.YAMLError as err:
-            docs.append((str(path), f"not valid YAML ({str(err).splitlines()[0]})"))
-            continue
+        found = read_yaml_documents(path)
         for doc in found:
             label = str(path)
             if len(found) > 1 and isinstance(doc, dict):
@@ -493,8 +516,8 @@ def check_path(target: str | Path, crd_dir: str | Path | None = None) -> tuple[i
     docs = load_documents(target)
     if not docs:
         raise ConfigError(f"--check: {target}: no YAML manifests found")
-    out = [Violation(label, "<root>", doc) for label, doc in docs if isinstance(doc, str)]
-    out += check_documents([(label, doc) for label, doc in docs if not isinstance(doc, str)], schemas)
+    out = [Violation(label, "<file>", str(doc)) for label, doc in docs if isinstance(doc, Unreadable)]
+    out += check_documents([(label, doc) for label, doc in docs if not isinstance(doc, Unreadable)], schemas)
     return len(docs), out
 
 

@@ -30,6 +30,7 @@ import yaml
 
 from app.config import ConfigError, JobConfig, dump_config
 from app.kube.fabric import NODE_TYPE_ANNOTATION, apply_fabric, needs_fabric
+from app.nodes import NODE_TYPES, NodeType
 
 RAY_VERSION = "2.60.0"
 CONFIG_MOUNT = "/config"
@@ -68,52 +69,6 @@ API_TOKEN_VOLUME = "kube-api-token"
 # (none: the root is read-only) and the kubelet's container logs.
 EPHEMERAL_OVERHEAD_GIB = 10
 HEAD_EPHEMERAL_GIB = 20
-
-
-@dataclass(frozen=True)
-class NodeType:
-    name: str
-    provider: str  # "aws" or "gcp"
-    gpus: int
-    gpu: str
-    # What a pod may request on the node: allocatable minus kubelet, system and DaemonSet reserve.
-    cpus: int
-    memory_gib: int
-    # Memory per GPU as CUDA reports it (torch.cuda.get_device_properties().total_memory), a little
-    # under the marketing GB: what `eft plan` fits a worker into.
-    gpu_memory_gib: float = 0.0
-    # The fast fabric between nodes (app/kube/fabric.py): "efa", "tcpx", "tcpxo" or None, with
-    # EFA's device count and whether its NICs do GPUDirect RDMA.
-    fabric: Optional[str] = None
-    fabric_devices: int = 0
-    rdma: bool = False
-
-    @property
-    def model_cache_gib(self) -> int:
-        """Local disk for the cached base model: the node's combined GPU memory. A frozen bf16
-        base the run trains is at most what the GPUs of a few nodes hold sharded, and one node's
-        GPU memory is a generous bound that still schedules on the usual root volumes (a 70B
-        bf16 base is ~140 GB; a p4d holds 320 GB). CPU nodes cache tiny models: 10 GiB."""
-        if not self.gpus:
-            return 10
-        return self.gpus * int(re.search(r"(\d+)GB", self.gpu).group(1))
-
-
-NODE_TYPES = {n.name: n for n in [
-    NodeType("p4d.24xlarge", "aws", 8, "A100-40GB", 92, 1050, 39.4, fabric="efa", fabric_devices=4, rdma=True),
-    NodeType("p4de.24xlarge", "aws", 8, "A100-80GB", 92, 1050, 79.2, fabric="efa", fabric_devices=4, rdma=True),
-    NodeType("p5.48xlarge", "aws", 8, "H100-80GB", 188, 1900, 79.2, fabric="efa", fabric_devices=32, rdma=True),
-    # g5.48xlarge has one EFA at 100 Gbps without GPUDirect RDMA, no faster than its ENA: left off.
-    NodeType("g5.48xlarge", "aws", 8, "A10G-24GB", 188, 700, 22.0),
-    NodeType("g5.12xlarge", "aws", 4, "A10G-24GB", 44, 170, 22.0),
-    NodeType("m6i.2xlarge", "aws", 0, "", 7, 26),
-    NodeType("a3-highgpu-8g", "gcp", 8, "H100-80GB", 200, 1700, 79.2, fabric="tcpx"),
-    NodeType("a3-megagpu-8g", "gcp", 8, "H100-80GB", 200, 1800, 79.2, fabric="tcpxo"),
-    NodeType("a2-highgpu-8g", "gcp", 8, "A100-40GB", 92, 600, 39.4),
-    NodeType("a2-ultragpu-8g", "gcp", 8, "A100-80GB", 92, 1200, 79.2),
-    NodeType("g2-standard-48", "gcp", 4, "L4-24GB", 44, 170, 22.0),
-    NodeType("n2-standard-8", "gcp", 0, "", 7, 26),
-]}
 
 
 @dataclass(frozen=True)

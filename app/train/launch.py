@@ -15,17 +15,16 @@ from app.config import JobConfig, dump_config
 from app.data.lease import check_not_being_prepared, hold_reader_lease
 from app.data.manifest import load_manifest
 from app.data.stream import document_isolation
+from app.elastic import checkpoint as ckpt
+from app.elastic.controller import NodeWatcher, build_controller_callbacks
+from app.elastic.resume import check_resume
+from app.model.architecture import ModelError, check_lora_targets, check_seq_len, load_model_config
+from app.model.loss import check_loss_setup
+from app.observe import records
+from app.observe.sinks import mlflow_settings
+from app.observe.summary import build_summary, write_summary
 from app.plan import apply_parallelism
 from app.storage import Store, join
-from app.train.summary import build_summary, write_summary
-from app.train import checkpoint as ckpt
-from app.train import records
-from app.train.architecture import check_lora_targets, check_seq_len, load_model_config
-from app.train.elastic import NodeWatcher, build_refresh_callback
-from app.train.loss import check_loss_setup
-from app.train.sinks import mlflow_settings
-from app.train.model import ModelError
-from app.train.resume import check_resume
 
 log = logging.getLogger("eft.launch")
 
@@ -72,7 +71,7 @@ def build_trainer(cfg: JobConfig, store: Store, train_fn=None):
                  **s.resources_per_worker}
     num_workers = s.min_workers if s.min_workers == s.max_workers else (s.min_workers, s.max_workers)
     fs, root = store.resolve(cfg.storage.root_uri)
-    refresh = build_refresh_callback() if s.min_workers < s.max_workers else None
+    callbacks = build_controller_callbacks(elastic=s.min_workers < s.max_workers)
     return TorchTrainer(
         train_fn or train_loop_per_worker,
         train_loop_config={"cfg": cfg.model_dump(mode="json"), "mlflow": mlflow_settings()},
@@ -84,7 +83,7 @@ def build_trainer(cfg: JobConfig, store: Store, train_fn=None):
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.num_to_keep),
             failure_config=FailureConfig(max_failures=cfg.fault_tolerance.max_failures,
                                          max_preemption_failures=cfg.fault_tolerance.max_preemption_failures),
-            callbacks=[refresh] if refresh else None,
+            callbacks=callbacks or None,
         ),
     )
 
@@ -116,6 +115,7 @@ def run_training(cfg: JobConfig, store: Store | None = None, train_fn=None) -> d
             watcher.stop()
         reader.stop()
     summary = build_summary(store, cfg, status=status, wall_s=time.time() - started,
+                            checkpoints=ckpt.list_checkpoints(store, cfg.run_uri),
                             error=None if error is None else f"{type(error).__name__}: {error}")
     write_summary(store, cfg.run_uri, summary)
     if error is not None:

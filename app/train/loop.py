@@ -1,7 +1,8 @@
 """`train_loop_per_worker`: what every Ray Train worker runs, in torchtitan's shape:
 `setup` (stream, model, optimizer) → `resume` (the checkpoint's state, this attempt's records)
-→ loop of `train_step`, `log_step`, `maybe_checkpoint` (with the PreemptionWatcher and the
-grow requests) → `report`. Each reads and advances one `Worker`.
+→ `train`: `train_step`, `log_step`, `maybe_checkpoint` (with the PreemptionWatcher and the
+grow requests) until the last step → `report`. Each reads and advances one `Worker`, whose
+state is a few named parts: data, model, recorders, watchers and progress.
 
 The optimizer always sees `training.global_batch_size` sequences per step, whatever the
 world size: each worker takes its G/W rows per step (floor or ceil, with
@@ -23,27 +24,26 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from app.batch import IGNORE_INDEX as IGNORE, BatchPlan
 from app.config import JobConfig
 from app.data.manifest import load_manifest, shard_uris
-from app.data.packing import IGNORE_INDEX as IGNORE
 from app.data.stream import (DataOrder, RankSlice, document_isolation, iter_rank_rows, iter_step_batches,
                              load_split_rows, prefetch_in_background)
+from app.elastic import checkpoint as ckpt
+from app.elastic.grow import GrowRequests, build_grow_requests
+from app.elastic.preemption import PreemptionWatcher, build_preemption_watcher, state_bytes
+from app.elastic.resume import build_lineage
+from app.model.build import build_model, count_parameters, resolve_precision, trainable_parameters
+from app.model.dropout import apply_row_dropout
+from app.model.loss import apply_loss, loss_sum
+from app.model.mfu import mfu, model_flops_per_token, peak_flops
+from app.model.sharding import all_reduce_gradients, forward_autocast_dtype, replicated_parameters
+from app.observe import records
+from app.observe.metrics import MetricsLog, StepTimer, format_progress, peak_memory
+from app.observe.nccl import NcclProbe
+from app.observe.records import record_weights_loaded
+from app.observe.sinks import MlflowSink, TensorBoardSink, flatten
 from app.storage import Store
-from app.train import checkpoint as ckpt
-from app.train import records
-from app.train.batch import BatchPlan
-from app.train.dropout import apply_row_dropout
-from app.train.grow import GrowRequests, build_grow_requests
-from app.train.loss import apply_loss, loss_sum
-from app.train.metrics import MetricsLog, StepTimer, format_progress, peak_memory
-from app.train.mfu import mfu, model_flops_per_token, peak_flops
-from app.train.nccl import NcclProbe
-from app.train.preemption import PreemptionWatcher, build_preemption_watcher, state_bytes
-from app.train.resume import build_lineage
-from app.train.sinks import MlflowSink, TensorBoardSink, flatten
-from app.train.model import build_model, count_parameters, resolve_precision, trainable_parameters
-from app.train.sharding import all_reduce_gradients, forward_autocast_dtype, replicated_parameters
-from app.train.weights import record_weights_loaded
 
 log = logging.getLogger("eft.train")
 
@@ -138,18 +138,89 @@ def evaluate(model, val: dict, rank: int, world: int, micro_batch: int, device, 
 def train_loop_per_worker(config: dict) -> None:
     w = setup(config)
     resume(w, config)
-    w.model.train()
-    while w.step < w.steps_total:
+    train(w)
+    report(w)
+
+
+def train(w: "Worker") -> None:
+    """Step, log and checkpoint until the last step."""
+    w.model.module.train()
+    while w.progress.step < w.data.steps_total:
         micro, lr, grad_norm = train_step(w)
         log_step(w, micro, lr, grad_norm)
         maybe_checkpoint(w)
-    report(w)
+
+
+@dataclass
+class DataParts:
+    """What this rank trains on: the batch split, the row stream, the held-out rows, and where
+    the run resumes in them."""
+
+    manifest: dict
+    plan: BatchPlan
+    lineage: dict  # what every checkpoint records it was trained from
+    train_rows: int
+    steps_total: int
+    checkpoint: object  # Ray's (or a newer complete) checkpoint to resume from, or None
+    start_rows: int
+    batches: Iterator
+    isolate: bool  # attention stays inside each packed document
+    val: dict = field(default_factory=lambda: {"row_id": []})
+
+
+@dataclass
+class ModelParts:
+    """The model this rank trains, and what trains it."""
+
+    module: torch.nn.Module
+    row_seeds: object  # dropout masks keyed on (seed, step, row)
+    autocast_dtype: Optional[torch.dtype]
+    params: list
+    replicated: list  # trainable parameters the loop reduces itself (LoRA adapters under FSDP2)
+    optimizer: torch.optim.Optimizer
+    n_trainable: int
+    n_total: int
+
+
+@dataclass
+class Recorders:
+    """What records this attempt: metrics and their sinks, the heartbeat, timings, the NCCL probe."""
+
+    marks: dict  # wall-clock marks of this start, for the restart breakdown in the summary
+    nccl_probe: Optional[NcclProbe]
+    metrics: Optional[MetricsLog] = None
+    sinks: list = field(default_factory=list)
+    heartbeat: Optional[records.Heartbeat] = None
+    timer: Optional[StepTimer] = None
+    tokens_per_step: int = 0
+    flops_per_token: float = 0.0
+    device_peak: Optional[float] = None
+
+
+@dataclass
+class Watchers:
+    """What may stop the loop early at a step boundary, each after a checkpoint."""
+
+    preemption: Optional[PreemptionWatcher] = None
+    grow: Optional[GrowRequests] = None
+
+
+@dataclass
+class Progress:
+    """Where the loop is, and the loss summed since the last logging step (on device: no host
+    sync until it is logged)."""
+
+    step: int = 0
+    rows_consumed: int = 0
+    loss_sum: Optional[torch.Tensor] = None
+    label_tokens: Optional[torch.Tensor] = None
+    nonfinite: Optional[torch.Tensor] = None
 
 
 @dataclass
 class Worker:
-    """What one worker of one worker-group attempt holds: built by `setup` and `resume`, then
-    read and advanced by `train_step`, `log_step` and `maybe_checkpoint`."""
+    """One worker of one worker-group attempt: built by `setup` and `resume`, then read and
+    advanced by `train_step`, `log_step` and `maybe_checkpoint`."""
 
     cfg: JobConfig
     rank: int
@@ -157,41 +228,11 @@ class Worker:
     nodes: int
     device: torch.device
     store: Store
-    plan: BatchPlan
-    lineage: dict
-    train_rows: int
-    steps_total: int
-    checkpoint: object  # Ray's (or a newer complete) checkpoint to resume from, or None
-    start_rows: int
-    batches: Iterator
-    model: torch.nn.Module
-    row_seeds: object
-    autocast_dtype: Optional[torch.dtype]
-    params: list
-    replicated: list
-    optimizer: torch.optim.Optimizer
-    n_trainable: int
-    n_total: int
-    val: dict
-    isolate: bool
-    nccl_probe: Optional[NcclProbe]
-    # Wall-clock marks of this start, for the restart breakdown in the summary.
-    marks: dict
-    step: int = 0
-    rows_consumed: int = 0
-    metrics: Optional[MetricsLog] = None
-    sinks: list = field(default_factory=list)
-    heartbeat: Optional[records.Heartbeat] = None
-    watcher: Optional[PreemptionWatcher] = None
-    grow: Optional[GrowRequests] = None
-    timer: Optional[StepTimer] = None
-    tokens_per_step: int = 0
-    flops_per_token: float = 0.0
-    device_peak: Optional[float] = None
-    # Summed loss and label tokens since the last logging step, kept on device: no host sync.
-    loss_acc: Optional[torch.Tensor] = None
-    tokens_acc: Optional[torch.Tensor] = None
-    nonfinite: Optional[torch.Tensor] = None
+    data: DataParts
+    model: ModelParts
+    recorders: Recorders
+    watchers: Watchers = field(default_factory=Watchers)
+    progress: Progress = field(default_factory=Progress)
 
 
 def setup(config: dict) -> Worker:
@@ -208,215 +249,235 @@ def setup(config: dict) -> Worker:
     device = ray.train.torch.get_device()
     # Before NCCL's first communicator, so its INIT/NET lines land where rank 0 can read them.
     nccl_probe = NcclProbe.start(device)
+    data = setup_data(cfg, store, rank, world)
+    # A Store of its own, so its byte count is what loading the model read from storage.
+    model_store, load_started = Store.from_config(cfg.storage), time.monotonic()
+    marks["model_load_at"] = time.time()
+    model = setup_model(cfg, model_store, device, rank, world)
+    marks["model_built_at"] = time.time()
+    record_weights_loaded(store, cfg, rank, model_store.bytes_read, time.monotonic() - load_started,
+                          bytes_cached=model_store.bytes_cached)
+    if cfg.training.eval_every_steps and data.manifest["splits"].get("validation", {}).get("rows"):
+        data.val = load_validation_rows(cfg, store, data.manifest, data.isolate)
+    return Worker(cfg=cfg, rank=rank, world=world, nodes=max(world // ctx.get_local_world_size(), 1), device=device,
+                  store=store, data=data, model=model, recorders=Recorders(marks=marks, nccl_probe=nccl_probe))
+
+
+def setup_data(cfg: JobConfig, store: Store, rank: int, world: int) -> DataParts:
+    """This rank's row stream, started at the checkpoint's data position: it comes from the
+    checkpoint's train_state.json alone, so the stream's start-up overlaps building the model and
+    restoring the shards."""
+    import ray.train
+
     t = cfg.training
     plan = BatchPlan(t.global_batch_size, world, t.micro_batch_size)
     if problem := plan.problem(t.pad_uneven_batches):
         raise ValueError(problem)
-
     manifest = load_manifest(store, cfg.data.uri)
-    lineage = build_lineage(cfg, manifest)  # recorded with every checkpoint: what it was trained from
     isolate = document_isolation(cfg, manifest, note=rank == 0)
     order = DataOrder.from_manifest(manifest, t.seed)
     data_fs, _ = store.resolve(cfg.data.uri)
     train_shards = [store.resolve(u)[1] for u in shard_uris(cfg.data.uri, manifest, "train")]
-
-    # The data position comes from the checkpoint's train_state.json alone, so the stream starts
-    # here and its start-up overlaps building the model and restoring the shards.
     checkpoint = ckpt.select_resume_checkpoint(ray.train.get_checkpoint(), store, cfg.run_uri, rank)
     start_rows = int(ckpt.peek_train_state(checkpoint).get("rows_consumed", 0))
     my_slice = RankSlice(rank, world, t.global_batch_size, origin=start_rows)
     rows = iter_rank_rows(order, train_shards, data_fs, my_slice, start=start_rows, position_ids=isolate)
     batches = prefetch_in_background(iter_step_batches(rows, my_slice.rows_per_step, t.micro_batch_size,
                                                        plan.accum), depth=2)
+    return DataParts(manifest=manifest, plan=plan, lineage=build_lineage(cfg, manifest), train_rows=order.num_rows,
+                     steps_total=total_steps(cfg, order.num_rows), checkpoint=checkpoint, start_rows=start_rows,
+                     batches=batches, isolate=isolate)
 
-    # A Store of its own, so its byte count is what loading the model read from storage.
-    model_store, load_started = Store.from_config(cfg.storage), time.monotonic()
-    marks["model_load_at"] = time.time()
+
+def load_validation_rows(cfg: JobConfig, store: Store, manifest: dict, isolate: bool) -> dict:
+    """The held-out rows evaluated at every eval step (at most eval_max_batches global batches)."""
+    t = cfg.training
+    data_fs, _ = store.resolve(cfg.data.uri)
+    val_shards = [store.resolve(u)[1] for u in shard_uris(cfg.data.uri, manifest, "validation")]
+    return load_split_rows(val_shards, data_fs, limit=t.eval_max_batches * t.global_batch_size, position_ids=isolate)
+
+
+def setup_model(cfg: JobConfig, model_store: Store, device: torch.device, rank: int, world: int) -> ModelParts:
+    """The model built and its weights loaded, the loss and dropout applied, the optimizer."""
+    t = cfg.training
     model = build_model(cfg, model_store, device, rank, world)
-    marks["model_built_at"] = time.time()
-    record_weights_loaded(store, cfg, rank, model_store.bytes_read, time.monotonic() - load_started,
-                          bytes_cached=model_store.bytes_cached)
     apply_loss(model, t.loss, t.loss_chunk_tokens)  # train and evaluate both go through loss_sum
     row_seeds = apply_row_dropout(model, t.seed, note=rank == 0)  # masks keyed on rows, not ranks
     precision = resolve_precision(cfg, device)
     params = trainable_parameters(model)
     optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
     n_trainable, n_total = count_parameters(model)
-    val = {"row_id": []}
-    if t.eval_every_steps and manifest["splits"].get("validation", {}).get("rows"):
-        val_shards = [store.resolve(u)[1] for u in shard_uris(cfg.data.uri, manifest, "validation")]
-        val = load_split_rows(val_shards, data_fs, limit=t.eval_max_batches * t.global_batch_size,
-                              position_ids=isolate)
-    return Worker(
-        cfg=cfg, rank=rank, world=world, nodes=max(world // ctx.get_local_world_size(), 1), device=device,
-        store=store, plan=plan, lineage=lineage, train_rows=order.num_rows,
-        steps_total=total_steps(cfg, order.num_rows), checkpoint=checkpoint, start_rows=start_rows,
-        batches=batches, model=model, row_seeds=row_seeds,
-        autocast_dtype=forward_autocast_dtype(model, precision.param_dtype), params=params,
-        # LoRA adapters under FSDP2: reduced here, once per step.
-        replicated=replicated_parameters(model), optimizer=optimizer, n_trainable=n_trainable, n_total=n_total,
-        val=val, isolate=isolate, nccl_probe=nccl_probe, marks=marks)
+    return ModelParts(module=model, row_seeds=row_seeds,
+                      autocast_dtype=forward_autocast_dtype(model, precision.param_dtype), params=params,
+                      replicated=replicated_parameters(model), optimizer=optimizer, n_trainable=n_trainable,
+                      n_total=n_total)
 
 
 def resume(w: Worker, config: dict) -> None:
     """The checkpoint's state, then what records this attempt: metrics, sinks, its start
     event and heartbeat, and what watches for a notice or a grow."""
-    cfg, t = w.cfg, w.cfg.training
+    cfg, t, d, m, rec = w.cfg, w.cfg.training, w.data, w.model, w.recorders
     restore_started = time.time()
-    state = ckpt.restore(w.checkpoint, w.store, w.model, w.optimizer, lora=cfg.lora is not None)
-    w.marks["restored_at"] = time.time()
+    state = ckpt.restore(d.checkpoint, w.store, m.module, m.optimizer, lora=cfg.lora is not None)
+    rec.marks["restored_at"] = time.time()
     if state.restored and w.rank == 0:
         log.info("restored step %d in %.1f s (%.1f MB read from storage by rank 0)", state.step,
-                 w.marks["restored_at"] - restore_started, state.bytes_read / 1e6)
-    w.step, w.rows_consumed = state.step, state.rows_consumed
-    if w.rows_consumed != w.start_rows:
-        raise RuntimeError(f"checkpoint {w.checkpoint.path}: train_state changed while loading "
-                           f"({w.start_rows} then {w.rows_consumed} rows consumed)")
-    w.metrics = MetricsLog(w.store, cfg.run_uri, enabled=w.rank == 0)
-    w.metrics.load(up_to_step=w.step)
+                 rec.marks["restored_at"] - restore_started, state.bytes_read / 1e6)
+    w.progress.step, w.progress.rows_consumed = state.step, state.rows_consumed
+    if state.rows_consumed != d.start_rows:
+        raise RuntimeError(f"checkpoint {d.checkpoint.path}: train_state changed while loading "
+                           f"({d.start_rows} then {state.rows_consumed} rows consumed)")
+    step = state.step
+    rec.metrics = MetricsLog(w.store, cfg.run_uri, enabled=w.rank == 0)
+    rec.metrics.load(up_to_step=step)
     attempt = None
     if w.rank == 0:
-        w.sinks.append(TensorBoardSink(w.store, cfg.run_uri, resumed_from_step=w.step))
+        rec.sinks.append(TensorBoardSink(w.store, cfg.run_uri, resumed_from_step=step))
         if config.get("mlflow"):
-            w.sinks.append(MlflowSink(config["mlflow"], cfg.run_uri, flatten(config["cfg"])))
-        padding = w.plan.padding_rows
+            rec.sinks.append(MlflowSink(config["mlflow"], cfg.run_uri, flatten(config["cfg"])))
+        padding = d.plan.padding_rows
         log.info("world %d x accum %d x micro %d = global batch %d%s | params %.2fM trainable of %.2fM | "
-                 "%s from step %d of %d", w.world, w.plan.accum, t.micro_batch_size, t.global_batch_size,
-                 f" + {padding} padding rows" if padding else "", w.n_trainable / 1e6, w.n_total / 1e6,
-                 "resuming" if w.step else "starting", w.step, w.steps_total)
+                 "%s from step %d of %d", w.world, d.plan.accum, t.micro_batch_size, t.global_batch_size,
+                 f" + {padding} padding rows" if padding else "", m.n_trainable / 1e6, m.n_total / 1e6,
+                 "resuming" if step else "starting", step, d.steps_total)
         attempt = records.record_event(w.store, cfg.run_uri, "worker_group_start", world_size=w.world,
-                                       resumed_from_step=w.step if state.restored else None, padding_rows=padding,
-                                       document_isolation=w.isolate, **w.marks)
-    w.heartbeat = records.Heartbeat(w.store, cfg.run_uri, attempt or "", enabled=w.rank == 0, world_size=w.world,
-                                    resumed_from_step=w.step)
+                                       resumed_from_step=step if state.restored else None, padding_rows=padding,
+                                       document_isolation=d.isolate, **rec.marks)
+    rec.heartbeat = records.Heartbeat(w.store, cfg.run_uri, attempt or "", enabled=w.rank == 0,
+                                      world_size=w.world, resumed_from_step=step)
     if cfg.checkpoint.on_preemption:
-        w.watcher = build_preemption_watcher(w.store, cfg.run_uri, w.rank, w.device, state_bytes(w.params))
+        w.watchers.preemption = build_preemption_watcher(w.store, cfg.run_uri, w.rank, w.device,
+                                                         state_bytes(m.params))
     if cfg.scaling.min_workers < cfg.scaling.max_workers and cfg.checkpoint.before_grow:
-        w.grow = build_grow_requests(w.store, cfg.run_uri, w.rank)
-    w.timer = StepTimer(w.steps_total, start_step=w.step, device=w.device)
-    w.tokens_per_step = t.global_batch_size * cfg.data.seq_len
-    w.flops_per_token = model_flops_per_token(w.model, cfg.data.seq_len, cfg.lora is not None, w.n_total,
-                                              w.n_trainable)
-    w.device_peak = peak_flops(w.device)
-    w.loss_acc = torch.zeros((), dtype=torch.float64, device=w.device)
-    w.tokens_acc = torch.zeros((), dtype=torch.float64, device=w.device)
-    w.nonfinite = torch.zeros((), dtype=torch.bool, device=w.device)
+        w.watchers.grow = build_grow_requests(w.store, cfg.run_uri, w.rank)
+    rec.timer = StepTimer(d.steps_total, start_step=step, device=w.device)
+    rec.tokens_per_step = t.global_batch_size * cfg.data.seq_len
+    rec.flops_per_token = model_flops_per_token(m.module, cfg.data.seq_len, cfg.lora is not None, m.n_total,
+                                                m.n_trainable)
+    rec.device_peak = peak_flops(w.device)
+    w.progress.loss_sum = torch.zeros((), dtype=torch.float64, device=w.device)
+    w.progress.label_tokens = torch.zeros((), dtype=torch.float64, device=w.device)
+    w.progress.nonfinite = torch.zeros((), dtype=torch.bool, device=w.device)
 
 
 def train_step(w: Worker) -> tuple[list, float, torch.Tensor]:
     """One optimizer step over this rank's share of the global batch: (its micro-batches, the
     learning rate, the gradient norm). No host sync."""
-    t = w.cfg.training
-    lr = lr_at(w.step, w.steps_total, t)
-    for group in w.optimizer.param_groups:
+    t, m, p, timer = w.cfg.training, w.model, w.progress, w.recorders.timer
+    lr = lr_at(p.step, w.data.steps_total, t)
+    for group in m.optimizer.param_groups:
         group["lr"] = lr
     # Dropout masks come from RowSeeds (seed, step, row). The global RNG is seeded only for
     # random ops outside them (none in the models we train): a resumed step redraws the same.
-    torch.manual_seed(step_seed(t.seed, w.step, w.rank))
+    torch.manual_seed(step_seed(t.seed, p.step, w.rank))
 
-    with w.timer.phase("data"):
-        micro = next(w.batches)
-    w.heartbeat.mark_first_batch()
-    with w.timer.phase("compute"):
-        global_tokens = all_reduce_sum(torch.tensor(float(sum(label_tokens(m[2]) for m in micro)),
+    with timer.phase("data"):
+        micro = next(w.data.batches)
+    w.recorders.heartbeat.mark_first_batch()
+    with timer.phase("compute"):
+        global_tokens = all_reduce_sum(torch.tensor(float(sum(label_tokens(mb[2]) for mb in micro)),
                                                     dtype=torch.float64, device=w.device))
-        w.tokens_acc += global_tokens
+        p.label_tokens += global_tokens
         scale = w.world / global_tokens.clamp(min=1)
         for i, (row_ids, inputs, labels, positions) in enumerate(micro):
             x = torch.as_tensor(inputs, dtype=torch.long, device=w.device)
             y = torch.as_tensor(labels, dtype=torch.long, device=w.device)
-            with grad_sync_context(w.model, enabled=i == w.plan.accum - 1), w.row_seeds.rows(row_ids, w.step):
-                loss = loss_sum(w.model, x, y, w.autocast_dtype, as_positions(positions, w.device))
+            with grad_sync_context(m.module, enabled=i == w.data.plan.accum - 1), m.row_seeds.rows(row_ids, p.step):
+                loss = loss_sum(m.module, x, y, m.autocast_dtype, as_positions(positions, w.device))
                 (loss * scale).backward()
-            w.loss_acc += loss.detach().double()
-        all_reduce_gradients(w.replicated, w.world)
-    with w.timer.phase("optimizer"):
-        grad_norm = torch.nn.utils.clip_grad_norm_(w.params, t.grad_clip_norm or float("inf"))
-        w.optimizer.step()
-        w.optimizer.zero_grad(set_to_none=True)
-    w.nonfinite |= ~torch.isfinite(w.loss_acc)
-    w.step += 1
-    w.rows_consumed += t.global_batch_size
+            p.loss_sum += loss.detach().double()
+        all_reduce_gradients(m.replicated, w.world)
+    with timer.phase("optimizer"):
+        grad_norm = torch.nn.utils.clip_grad_norm_(m.params, t.grad_clip_norm or float("inf"))
+        m.optimizer.step()
+        m.optimizer.zero_grad(set_to_none=True)
+    p.nonfinite |= ~torch.isfinite(p.loss_sum)
+    p.step += 1
+    p.rows_consumed += t.global_batch_size
     return micro, lr, grad_norm
 
 
 def log_step(w: Worker, micro: list, lr: float, grad_norm: torch.Tensor) -> None:
     """On logging and eval steps (the loop's only host syncs): the loss, metrics, validation;
     every step: the heartbeat."""
-    t, step = w.cfg.training, w.step
-    is_eval = bool(t.eval_every_steps) and (step % t.eval_every_steps == 0 or step == w.steps_total)
-    if is_eval or step % t.log_every_steps == 0 or step == w.steps_total:
-        train_loss = float(all_reduce_sum(w.loss_acc.clone()) / w.tokens_acc.clamp(min=1))
-        if bool(w.nonfinite) or not math.isfinite(train_loss):
+    t, d, m, p, rec = w.cfg.training, w.data, w.model, w.progress, w.recorders
+    step = p.step
+    is_eval = bool(t.eval_every_steps) and (step % t.eval_every_steps == 0 or step == d.steps_total)
+    if is_eval or step % t.log_every_steps == 0 or step == d.steps_total:
+        train_loss = float(all_reduce_sum(p.loss_sum.clone()) / p.label_tokens.clamp(min=1))
+        if bool(p.nonfinite) or not math.isfinite(train_loss):
             raise FloatingPointError(f"non-finite loss {train_loss} at step {step}; stopping")
         record = {"step": step, "loss": train_loss, "lr": lr, "grad_norm": to_scalar(grad_norm),
-                  "world_size": w.world, "rows_consumed": w.rows_consumed, "epoch": w.rows_consumed / w.train_rows,
-                  **w.timer.end_step(step, w.tokens_per_step), **peak_memory(w.device)}
+                  "world_size": w.world, "rows_consumed": p.rows_consumed, "epoch": p.rows_consumed / d.train_rows,
+                  **rec.timer.end_step(step, rec.tokens_per_step), **peak_memory(w.device)}
         record["tokens_per_s_per_worker"] = record["tokens_per_s"] / w.world
-        record["mfu"] = mfu(record["tokens_per_s"], w.flops_per_token, w.device_peak, w.world)
+        record["mfu"] = mfu(record["tokens_per_s"], rec.flops_per_token, rec.device_peak, w.world)
         if t.trace_rows:
             record["row_ids"] = gather_row_ids(micro, w.world, w.device)
-        w.loss_acc.zero_()
-        w.tokens_acc.zero_()
+        p.loss_sum.zero_()
+        p.label_tokens.zero_()
         if is_eval:
-            val_loss = evaluate(w.model, w.val, w.rank, w.world, t.micro_batch_size, w.device, w.autocast_dtype)
+            val_loss = evaluate(m.module, d.val, w.rank, w.world, t.micro_batch_size, w.device, m.autocast_dtype)
             if val_loss is not None:
                 record["val_loss"], record["val_ppl"] = val_loss, math.exp(min(val_loss, 50.0))
-        w.metrics.append(record)
-        for sink in w.sinks:
+        rec.metrics.append(record)
+        for sink in rec.sinks:
             sink.log(record)
         if w.rank == 0:
-            log.info(format_progress(record, w.steps_total))
+            log.info(format_progress(record, d.steps_total))
     else:
-        w.timer.skip_step()
-    w.heartbeat.beat(step)
-    if w.nccl_probe and w.rank == 0 and step == w.timer.start_step + 1:
-        w.nccl_probe.report(w.store, w.cfg.run_uri, nodes=w.nodes)
+        rec.timer.skip_step()
+    rec.heartbeat.beat(step)
+    if rec.nccl_probe and w.rank == 0 and step == rec.timer.start_step + 1:
+        rec.nccl_probe.report(w.store, w.cfg.run_uri, nodes=w.nodes)
 
 
 def maybe_checkpoint(w: Worker) -> None:
     """Every `save_every_steps`, at the last step, at the last safe step before a pre-emption
     deadline (then drain), and before a grow (then wait for the restart)."""
-    cfg, step = w.cfg, w.step
-    just_in_time = w.watcher.after_step(step) if w.watcher is not None else None
-    before_grow = w.grow.after_step(step) if w.grow is not None else None
-    if not (just_in_time or before_grow or step % cfg.checkpoint.save_every_steps == 0 or step == w.steps_total):
+    cfg, p, rec, watch = w.cfg, w.progress, w.recorders, w.watchers
+    step, last = p.step, w.data.steps_total
+    just_in_time = watch.preemption.after_step(step) if watch.preemption is not None else None
+    before_grow = watch.grow.after_step(step) if watch.grow is not None else None
+    if not (just_in_time or before_grow or step % cfg.checkpoint.save_every_steps == 0 or step == last):
         return
     # A just-in-time or pre-grow save waits for its upload: the group drains only once it is up.
     wait_for_upload = just_in_time is not None or before_grow is not None or not cfg.checkpoint.async_upload
     if before_grow:
         # Written now: the save's report to Ray may block until the group is torn down (see
         # GrowRequests.acknowledge_when_up), and the heartbeat must already say this step was done.
-        w.heartbeat.beat(step, force=True)
-        w.heartbeat.flush()
-        w.grow.acknowledge_when_up(before_grow, step, cfg.checkpoint.before_grow_timeout_s)
-    with w.timer.phase("checkpoint"):
+        rec.heartbeat.beat(step, force=True)
+        rec.heartbeat.flush()
+        watch.grow.acknowledge_when_up(before_grow, step, cfg.checkpoint.before_grow_timeout_s)
+    with rec.timer.phase("checkpoint"):
         began = time.monotonic()
         # Lines first: a checkpoint never exists without the metrics up to its step.
-        w.metrics.flush()
-        ckpt.save(cfg, w.store, w.model, w.optimizer, step=step, rows_consumed=w.rows_consumed, world_size=w.world,
-                  metrics=w.metrics.latest(), rank=w.rank, lineage=w.lineage, wait_for_upload=wait_for_upload)
-    if w.watcher is not None:
-        w.watcher.record_save(time.monotonic() - began, uploaded=wait_for_upload)
-    w.heartbeat.beat(step, force=True)
-    if just_in_time and just_in_time.drain and step < w.steps_total:
-        w.heartbeat.flush()
-        w.watcher.drain(step)  # raises once the node is gone: Ray restarts from this checkpoint
-    if before_grow and step < w.steps_total:
-        w.heartbeat.flush()
-        w.grow.drain(cfg.checkpoint.before_grow_timeout_s)  # Ray restarts the group bigger
+        rec.metrics.flush()
+        ckpt.save(cfg, w.store, w.model.module, w.model.optimizer, step=step, rows_consumed=p.rows_consumed,
+                  world_size=w.world, metrics=rec.metrics.latest(), rank=w.rank, lineage=w.data.lineage,
+                  wait_for_upload=wait_for_upload)
+    if watch.preemption is not None:
+        watch.preemption.record_save(time.monotonic() - began, uploaded=wait_for_upload)
+    rec.heartbeat.beat(step, force=True)
+    if just_in_time and just_in_time.drain and step < last:
+        rec.heartbeat.flush()
+        watch.preemption.drain(step)  # raises once the node is gone: Ray restarts from this checkpoint
+    if before_grow and step < last:
+        rec.heartbeat.flush()
+        watch.grow.drain(cfg.checkpoint.before_grow_timeout_s)  # Ray restarts the group bigger
 
 
 def report(w: Worker) -> None:
     """The final step always saved (above), which reported its metrics and checkpoint to Ray."""
-    if w.grow is not None:
-        w.grow.stop()
-    w.metrics.flush()
-    w.heartbeat.flush()
-    for sink in w.sinks:
+    rec = w.recorders
+    if w.watchers.grow is not None:
+        w.watchers.grow.stop()
+    rec.metrics.flush()
+    rec.heartbeat.flush()
+    for sink in rec.sinks:
         sink.finish()
     if w.rank == 0:
-        log.info("done: %d steps, %d rows consumed", w.step, w.rows_consumed)
+        log.info("done: %d steps, %d rows consumed", w.progress.step, w.progress.rows_consumed)
 
 
 def gather_row_ids(micro, world: int, device) -> list[int]:

@@ -37,6 +37,8 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from app.compat import dtensor_like, local_tensor
+from app.model.architecture import decoder_blocks
 log = logging.getLogger(__name__)
 
 BLOCK_SIZE = 64
@@ -77,8 +79,6 @@ def apply_quantization(model: nn.Module, lora_cfg, shards: int, note: bool) -> d
     dim-0 chunks each weight is split into (the world size under FSDP2, else 1)."""
     if lora_cfg is None or lora_cfg.quantize_base is None:
         return {}
-    from app.train.model import decoder_blocks  # model.py calls this module: import at use
-
     return apply_nf4(model, decoder_blocks(model), shards, note)
 
 
@@ -100,14 +100,14 @@ def apply_nf4(model: nn.Module, blocks: list[nn.Module], shards: int, note: bool
 
 
 def to_nf4(tensor: torch.Tensor, scaler_block: int):
-    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4 as torchao_to_nf4
+    from torchao.quantization import to_nf4 as torchao_to_nf4
 
     return torchao_to_nf4(tensor.contiguous(), block_size=BLOCK_SIZE, scaler_block_size=scaler_block)
 
 
 def local_part(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor parameter (FSDP2), or the tensor itself."""
-    return getattr(tensor, "_local_tensor", tensor)
+    return local_tensor(tensor)
 
 
 def is_nf4(tensor: torch.Tensor) -> bool:
@@ -142,7 +142,7 @@ def place_nf4(linear: nn.Linear, full: torch.Tensor, scaler_block: int) -> None:
         local.copy_(chunk)
         # Built from its parts rather than by DTensor.from_local, which views the local tensor
         # in ways NF4 does not implement; the spec is the one fully_shard gave the weight.
-        linear.weight = nn.Parameter(DTensor(local, current._spec, requires_grad=False), requires_grad=False)
+        linear.weight = nn.Parameter(dtensor_like(local, current), requires_grad=False)
     else:
         linear.weight = nn.Parameter(quantized, requires_grad=False)
 

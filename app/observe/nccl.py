@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterable, Optional
 
-from app.kube.fabric import FABRICS, TCPXO_ENV_PROFILE
+from app.nodes import FABRICS, TCPXO_ENV_PROFILE
 
 log = logging.getLogger("eft.nccl")
 
@@ -193,7 +193,7 @@ class NcclProbe:
         return cls(apply_nccl_debug_capture(), profile)
 
     def report(self, store, run_uri: str, nodes: int) -> dict:
-        from app.train import records
+        from app.observe import records
 
         record = build_transport_record(self.debug_file, nodes)
         record["env_profile_applied"] = len(self.profile)

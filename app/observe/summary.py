@@ -7,10 +7,9 @@ import time
 from typing import Optional
 
 from app.data.manifest import load_manifest
+from app.observe import records
+from app.observe.metrics import load_metrics
 from app.storage import Store, join
-from app.train import checkpoint as ckpt
-from app.train import records
-from app.train.metrics import load_metrics
 
 SUMMARY_FILE = "summary.json"
 
@@ -119,12 +118,13 @@ def rows_per_epoch(rows_consumed: int, train_rows: int) -> list[int]:
     return [train_rows] * full + ([rest] if rest else [])
 
 
-def build_summary(store: Store, cfg, status: str, wall_s: float, error: Optional[str] = None) -> dict:
+def build_summary(store: Store, cfg, status: str, wall_s: float, checkpoints: list[str],
+                  error: Optional[str] = None) -> dict:
+    """The run's summary from its records; `checkpoints` are its complete checkpoints, oldest first."""
     metrics = load_metrics(store, cfg.run_uri)
     events = records.load_events(store, cfg.run_uri)
     starts = [e for e in events if e["kind"] == "worker_group_start"]
     drivers = [e for e in events if e["kind"] == "driver_start"]
-    checkpoints = ckpt.list_checkpoints(store, cfg.run_uri)
     steps = int(_last(metrics, "step") or 0)
     rows = int(_last(metrics, "rows_consumed") or 0)
     train_rows = load_manifest(store, cfg.data.uri)["splits"]["train"]["rows"]

@@ -153,13 +153,13 @@ def save(cfg, store: Store, model, optimizer, *, step: int, rows_consumed: int, 
     """Every rank writes its DCP shards to a local dir; Ray Train uploads and merges them into
     `<run>/checkpoint-<step>/` and registers the checkpoint only once every rank's part is up.
     Rank 0 adds train_state.json and, last, the sidecar listing every rank's files (a collective:
-    every rank calls this). `lineage` ({"dataset", "identity"}, see app.train.resume) goes into the
+    every rank calls this). `lineage` ({"dataset", "identity"}, see app.elastic.resume) goes into the
     sidecar, and its dataset into train_state.json too. `wait_for_upload` overrides
     `checkpoint.async_upload` (a just-in-time save must be up before the group drains)."""
     import ray.train
     import torch.distributed.checkpoint as dcp
     from ray.train import Checkpoint
-    from ray.train.v2.api.report_config import CheckpointUploadMode
+    from ray.train import CheckpointUploadMode
 
     lineage = lineage or {}
     local = Path(tempfile.mkdtemp(prefix=f"eft-ckpt-{step:08d}-r{rank}-"))
@@ -317,6 +317,8 @@ def build_checkpoint_reader(checkpoint, store: Store):
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.filesystem import FileSystemBase
 
+    from app.compat import record_reader_base
+
     if isinstance(checkpoint.filesystem, pafs.LocalFileSystem):
         return FileSystemReader(checkpoint.path)
     fs, root = store.resolve(f"s3://{checkpoint.path}")
@@ -361,15 +363,15 @@ def build_checkpoint_reader(checkpoint, store: Store):
         def rm_file(self, path):
             raise NotImplementedError("read-only")
 
-    class _RangedReader(FileSystemReader):
+    class _RangedReader(record_reader_base()):
         def __init__(self):
             super().__init__(root)
             self.fs, self.path = _RangedFileSystem(), root
 
-        def _slice_file(self, file, sinfo):
+        def read_record(self, file, offset: int, length: int) -> bytes:
             # Each record's range is known: one read of it, then torch.load seeks in memory
             # (through the stream it would seek remotely, end first, then start).
-            return io.BytesIO(file.read_range(sinfo.offset, sinfo.length))
+            return file.read_range(offset, length)
 
         @property
         def bytes_read(self) -> int:

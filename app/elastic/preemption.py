@@ -189,7 +189,7 @@ def build_preemption_watcher(store, run_uri: str, rank: int, device, state_bytes
     import torch
     import torch.distributed as dist
 
-    from app.train.records import record_event
+    from app.observe.records import record_event
 
     def agree(flags: list[bool]) -> list[bool]:
         if not dist.is_initialized():

@@ -24,8 +24,10 @@ import logging
 import threading
 from typing import Optional
 
+from app.compat import (RAY_PREEMPTION_WATCHER_ENV, build_preemption_callback, controller_callback_base,
+                        controller_state_name, refresh_autoscaling_coordinator, resources_per_worker)
+
 log = logging.getLogger("eft.elastic")
-COORDINATOR = ("AutoscalingCoordinator", "AutoscalingCoordinator")  # (name, namespace) in Ray 2.60
 
 
 def live_node_ids() -> frozenset:
@@ -37,13 +39,8 @@ def live_node_ids() -> frozenset:
 def refresh_autoscaling_view(timeout_s: float = 10.0) -> bool:
     """Make the coordinator re-read the cluster now. False when there is none (yet), or this
     Ray has no such actor: then Train simply keeps its own pace."""
-    import ray
-
-    name, namespace = COORDINATOR
     try:
-        coordinator = ray.get_actor(name, namespace=namespace)
-        ray.get(coordinator.get_reserved_resources.remote("eft-node-watcher", recompute=True), timeout=timeout_s)
-        return True
+        return refresh_autoscaling_coordinator("eft-node-watcher", timeout_s)
     except Exception as err:  # an internal of Ray's: never let it break a training run
         log.debug("could not refresh the autoscaling coordinator: %s", err)
         return False
@@ -132,7 +129,7 @@ class ControllerEvents:
         return cls(Store.from_config(cfg.storage), cfg.run_uri, cfg)
 
     def record(self, kind: str, **fields) -> None:
-        from app.train.records import record_event
+        from app.observe.records import record_event
 
         try:
             record_event(self.store, self.run_uri, kind, **fields)
@@ -152,9 +149,8 @@ def build_refresh_callback():
     """A Ray Train controller callback (a developer API of Ray Train V2) that refreshes the
     autoscaling view before each failure decision is carried out and records the controller's
     launches and failures as run events; None if this Ray has no such hook."""
-    try:
-        from ray.train.v2._internal.execution.callback import ControllerCallback
-    except ImportError:
+    ControllerCallback = controller_callback_base()
+    if ControllerCallback is None:
         return None
 
     class RefreshBeforeRestart(ControllerCallback):
@@ -170,8 +166,7 @@ def build_refresh_callback():
             try:
                 self.events = ControllerEvents.from_run_context(train_run_context)
                 scaling = train_run_context.scaling_config
-                self.resources_per_worker = dict(getattr(scaling, "_resources_per_worker_not_none", None)
-                                                 or scaling.resources_per_worker or {})
+                self.resources_per_worker = resources_per_worker(scaling)
             except Exception as err:
                 log.warning("controller events off: %s", err)
 
@@ -194,7 +189,7 @@ def build_refresh_callback():
             if events is None or not events.cfg.checkpoint.before_grow or running is None or \
                     to_workers is None or to_workers <= running:
                 return
-            from app.train.grow import checkpoint_before_grow
+            from app.elastic.grow import checkpoint_before_grow
 
             try:
                 checkpoint_before_grow(events.store, events.run_uri, running, to_workers,
@@ -216,15 +211,28 @@ def build_refresh_callback():
             error = getattr(current_state, "training_failed_error", None) or getattr(
                 getattr(current_state, "next_state", None), "training_failed_error", None)
             self.events.record("worker_group_failure", decision=decision,
-                               from_state=state_name(previous_state), to_state=state_name(current_state),
+                               from_state=controller_state_name(previous_state),
+                               to_state=controller_state_name(current_state),
                                **(describe_error(error) if error is not None else {}))
 
     return RefreshBeforeRestart()
 
 
-def state_name(state) -> str:
-    kind = getattr(state, "_state_type", None)
-    return getattr(kind, "state_name", type(state).__name__)
+def build_controller_callbacks(elastic: bool) -> list:
+    """The callbacks eft gives Ray Train's controller: the refresh-and-record callback for an
+    elastic run, and Ray's pre-emption watcher started as a non-restartable actor (it is what
+    `ray.train.get_preemption_info` reads; see app.compat.build_preemption_callback). Ray's own
+    watcher is turned off in its place, through Ray Train's documented switch, which the driver
+    propagates to the controller. A user who turned the watcher off keeps it off."""
+    import os
+
+    callbacks = [build_refresh_callback()] if elastic else []
+    if os.environ.get(RAY_PREEMPTION_WATCHER_ENV, "1").strip().lower() not in ("0", "false"):
+        watcher = build_preemption_callback()
+        if watcher is not None:
+            os.environ[RAY_PREEMPTION_WATCHER_ENV] = "0"
+            callbacks.append(watcher)
+    return [c for c in callbacks if c is not None]
 
 
 class NodeWatcher:

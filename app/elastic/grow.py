@@ -3,7 +3,7 @@ the worker group bigger.
 
 Ray Train V2 grows an elastic run by shutting the group down and starting a bigger one, which
 resumes from the latest checkpoint: up to `checkpoint.save_every_steps` steps are done again.
-Its controller calls `before_controller_execute_resize_decision` first (app/train/elastic.py).
+Its controller calls `before_controller_execute_resize_decision` first (app/elastic/controller.py).
 There the driver side (`checkpoint_before_grow`) writes a request object under the run and
 waits, bounded, for the workers to answer it. The worker side (`GrowRequests`) watches for it:
 rank 0 polls storage on a thread, and every step one broadcast from rank 0 hands all ranks the
@@ -102,7 +102,7 @@ class GrowRequests:
         but the checkpoint is whole in storage before that, and the restart resumes from it."""
         if self.rank != 0:
             return
-        from app.train.checkpoint import checkpoint_dir_name, is_complete
+        from app.elastic.checkpoint import checkpoint_dir_name, is_complete
 
         self._latest = None
         ckpt_uri = join(self.run_uri, checkpoint_dir_name(step))

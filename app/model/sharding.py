@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from app.compat import foreach_copy_, is_compiled_module
+
 # inductor needs a C++ (CPU) or Triton (GPU) toolchain and minutes of compile on a small CPU box; the
 # CPU tests run the same wiring (dynamo + AOTAutograd) on "aot_eager" by setting this in-process.
 COMPILE_BACKEND = "inductor"
@@ -34,7 +36,7 @@ def apply_compile(blocks: Iterable[nn.Module], backend: Optional[str] = None) ->
 
 
 def is_compiled(module: nn.Module) -> bool:
-    return getattr(module, "_compiled_call_impl", None) is not None
+    return is_compiled_module(module)
 
 
 def adapters_to_replicate(cfg, model: nn.Module) -> frozenset:
@@ -71,7 +73,7 @@ def all_reduce_gradients(params: list[nn.Parameter], world: int) -> None:
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
     flat.div_(world)
-    torch._foreach_copy_(grads, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in grads]), grads)])
+    foreach_copy_(grads, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in grads]), grads)])
 
 
 def forward_autocast_dtype(model: nn.Module, param_dtype: Optional[torch.dtype]) -> Optional[torch.dtype]:

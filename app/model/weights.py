@@ -34,8 +34,9 @@ from urllib.parse import quote
 import torch
 import torch.nn as nn
 
+from app.compat import local_shape_and_offset
+from app.model.architecture import ModelError
 from app.storage import Store, default_cache_root, ensure_private_dir, is_s3, join, s3_endpoint
-from app.train.model import ModelError
 
 log = logging.getLogger("eft.weights")
 
@@ -229,9 +230,7 @@ def local_slice(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tup
 
     if not isinstance(param, DTensor):
         return param, tuple(param.shape), (0,) * param.dim()
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    shape, offset = local_shape_and_offset(param)
     local = param.to_local()
     if tuple(local.shape) != tuple(shape):
         raise ModelError(f"local shard {tuple(local.shape)} is not the placement's {tuple(shape)}")
@@ -307,31 +306,10 @@ def load_mode(parallelism: str, safetensors: Optional[dict[str, int]]) -> str:
     return "ranged" if parallelism == "fsdp" else "node_cache"
 
 
-def record_weights_loaded(store: Store, cfg, rank: int, bytes_read: int, seconds: float,
-                          bytes_cached: int = 0) -> None:
-    """Gather what each rank read from storage and from its node's cache (and on which node) to
-    rank 0, which records one `weights_loaded` event: bytes read per node are what `eft report`
-    and the tests check."""
-    import ray
-    import torch.distributed as dist
-
-    from app.train.records import record_event
-
-    mine = {"rank": rank, "node_id": ray.get_runtime_context().get_node_id(), "bytes_read": int(bytes_read),
-            "bytes_cached": int(bytes_cached), "seconds": round(seconds, 3)}
-    ranks = [None] * dist.get_world_size()
-    dist.all_gather_object(ranks, mine)
-    if rank != 0:
-        return
-    per_node: dict[str, int] = {}
-    cached_per_node: dict[str, int] = {}
-    for entry in ranks:
-        per_node[entry["node_id"]] = per_node.get(entry["node_id"], 0) + entry["bytes_read"]
-        cached_per_node[entry["node_id"]] = cached_per_node.get(entry["node_id"], 0) + entry["bytes_cached"]
-    files = list_safetensors(store, cfg.model.uri)
+def describe_stored_weights(store: Store, model_uri: str, parallelism: str) -> tuple[str, int]:
+    """(how the ranks load the weights at `model_uri`, the weights' bytes in storage): what the
+    `weights_loaded` event reports beside the bytes each rank read."""
+    files = list_safetensors(store, model_uri)
     weights = sum(files.values()) if files else \
-        sum(size for name, size in store.list_file_sizes(cfg.model.uri).items() if name.endswith(WEIGHT_SUFFIXES))
-    record_event(store, cfg.run_uri, "weights_loaded", mode=load_mode(cfg.training.parallelism, files),
-                 model_uri=cfg.model.uri, weights_bytes=weights, bytes_per_node=per_node,
-                 cached_per_node=cached_per_node, ranks=ranks,
-                 seconds=max(r["seconds"] for r in ranks))
+        sum(size for name, size in store.list_file_sizes(model_uri).items() if name.endswith(WEIGHT_SUFFIXES))
+    return load_mode(parallelism, files), weights

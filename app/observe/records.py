@@ -52,7 +52,7 @@ class Heartbeat:
     the step, so a storage round trip here would slow every rank."""
 
     def __init__(self, store: Store, run_uri: str, attempt: str, enabled: bool, interval_s: float = 1.0, **fields):
-        from app.train.sinks import BackgroundWriter
+        from app.observe.sinks import BackgroundWriter
 
         self.store, self.enabled, self.interval_s = store, enabled, interval_s
         self.uri = join(run_uri, "heartbeats", f"{attempt}.json")
@@ -97,3 +97,31 @@ def load_heartbeats(store: Store, run_uri: str) -> list[dict]:
         except StorageError:
             continue
     return sorted(beats, key=lambda b: b["started_at"])
+
+
+def record_weights_loaded(store: Store, cfg, rank: int, bytes_read: int, seconds: float,
+                          bytes_cached: int = 0) -> None:
+    """Gather what each rank read from storage and from its node's cache (and on which node) to
+    rank 0, which records one `weights_loaded` event: bytes read per node are what `eft report`
+    and the tests check."""
+    import ray
+    import torch.distributed as dist
+
+    from app.model.weights import describe_stored_weights
+
+    mine = {"rank": rank, "node_id": ray.get_runtime_context().get_node_id(), "bytes_read": int(bytes_read),
+            "bytes_cached": int(bytes_cached), "seconds": round(seconds, 3)}
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)
+    if rank != 0:
+        return
+    per_node: dict[str, int] = {}
+    cached_per_node: dict[str, int] = {}
+    for entry in ranks:
+        per_node[entry["node_id"]] = per_node.get(entry["node_id"], 0) + entry["bytes_read"]
+        cached_per_node[entry["node_id"]] = cached_per_node.get(entry["node_id"], 0) + entry["bytes_cached"]
+    mode, weights = describe_stored_weights(store, cfg.model.uri, cfg.training.parallelism)
+    record_event(store, cfg.run_uri, "weights_loaded", mode=mode,
+                 model_uri=cfg.model.uri, weights_bytes=weights, bytes_per_node=per_node,
+                 cached_per_node=cached_per_node, ranks=ranks,
+                 seconds=max(r["seconds"] for r in ranks))

@@ -1,7 +1,7 @@
 """Model building: load base + tokenizer, apply LoRA, apply FSDP2 / DDP, precision.
 
 Loading scales: every rank builds the model on the meta device, then fills what it owns
-(app/train/weights.py): under FSDP2 each rank reads its own slices of the safetensors files
+(app/model/weights.py): under FSDP2 each rank reads its own slices of the safetensors files
 straight from the model URI; under DDP each node downloads the model once to its node-local
 cache and its ranks read it there. Only a model without safetensors files falls back to rank 0
 reading it whole and broadcasting it into the shards.
@@ -17,14 +17,12 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from app.train.quantize import apply_quantization, load_nf4_from_rank0
-from app.train.sharding import adapters_to_replicate, apply_compile
+from app.compat import ddp_ignore
+from app.model.architecture import ModelError, build_peft_config, decoder_blocks
+from app.model.quantize import apply_quantization, load_nf4_from_rank0
+from app.model.sharding import adapters_to_replicate, apply_compile
 
 log = logging.getLogger(__name__)
-
-
-class ModelError(ValueError):
-    """The model URI does not hold a loadable model."""
 
 
 @dataclass(frozen=True)
@@ -32,16 +30,6 @@ class Precision:
     storage_dtype: torch.dtype  # dtype of the (frozen) base weights as loaded
     param_dtype: Optional[torch.dtype]  # compute dtype under FSDP2 / autocast; None = as stored
     reduce_dtype: Optional[torch.dtype]
-
-
-def build_peft_config(lora_cfg):
-    """Our LoraConfig → PEFT's. Training and export both build it here, so adapters match."""
-    from peft import LoraConfig as PeftLoraConfig
-
-    return PeftLoraConfig(
-        r=lora_cfg.r, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
-        target_modules=list(lora_cfg.target_modules), bias="none", task_type="CAUSAL_LM",
-    )
 
 
 def resolve_precision(cfg, device: torch.device) -> Precision:
@@ -68,7 +56,7 @@ def load_pretrained(local_dir: Path, dtype: torch.dtype, lora_cfg=None, seed: in
     source when a model has no safetensors files."""
     from transformers import AutoModelForCausalLM
 
-    from app.train.weights import init_adapters
+    from app.model.weights import init_adapters
 
     model = AutoModelForCausalLM.from_pretrained(local_dir, dtype=dtype)
     if lora_cfg is not None:
@@ -96,18 +84,8 @@ def build_meta_model(local_dir: Path, dtype: torch.dtype, lora_cfg=None) -> tupl
     return model, buffers
 
 
-def decoder_blocks(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks, found by the class names HF lists as never to be split."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    names = set(getattr(inner, "_no_split_modules", None) or [])
-    blocks = [m for m in model.modules() if type(m).__name__ in names]
-    if not blocks:
-        raise ModelError(f"cannot find decoder blocks to shard in {type(inner).__name__}")
-    return blocks
-
-
 def apply_fsdp(model: nn.Module, precision: Precision, replicate: frozenset = frozenset()) -> None:
-    """FSDP2 per decoder block and at the root; `replicate` (LoRA adapters, see app.train.sharding)
+    """FSDP2 per decoder block and at the root; `replicate` (LoRA adapters, see app.model.sharding)
     stays out of it: plain tensors on every rank, reduced by the loop once per step."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -129,7 +107,7 @@ def load_weights_from_rank0(model: nn.Module, source: Optional[nn.Module], buffe
                             device: torch.device, quantized: Optional[dict] = None) -> None:
     """Materialize `model` on `device` and fill it from rank 0's `source` (None elsewhere): the
     path for weights in .bin files, which cannot be read a slice at a time, and for QLoRA.
-    `quantized` names the NF4 weights (see app.train.quantize), which are quantized whole."""
+    `quantized` names the NF4 weights (see app.model.quantize), which are quantized whole."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     model.to_empty(device=device)
@@ -148,8 +126,8 @@ def load_weights_from_rank0(model: nn.Module, source: Optional[nn.Module], buffe
 def build_model(cfg, store, device: torch.device, rank: int, world_size: int) -> nn.Module:
     """Base (+ LoRA) → precision → activation checkpointing → NF4 → compile → FSDP2 or DDP,
     weights loaded."""
+    from app.model.weights import WEIGHT_SUFFIXES, list_safetensors, load_mode, load_owned_weights
     from app.storage import Store
-    from app.train.weights import WEIGHT_SUFFIXES, list_safetensors, load_mode, load_owned_weights
 
     precision = resolve_precision(cfg, device)
     uri, fsdp = cfg.model.uri, cfg.training.parallelism == "fsdp"
@@ -183,7 +161,7 @@ def build_model(cfg, store, device: torch.device, rank: int, world_size: int) ->
         from torch.nn.parallel import DistributedDataParallel
 
         # Every rank quantized the same broadcast weights: DDP need not broadcast the NF4 ones again.
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, list(quantized))
+        ddp_ignore(model, list(quantized))
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     return model
 

@@ -1,4 +1,5 @@
-"""What a model's `config.json` says, checked against the job before any worker starts.
+"""What a model is made of, and what its `config.json` says, checked against the job before any
+worker starts.
 
 The driver reads only the config (through the Store), builds the model on the meta device (no
 weights, no memory: seconds even for a 70B layout) and lists its module names. So a LoRA target
@@ -10,11 +11,39 @@ from __future__ import annotations
 
 import json
 import warnings
+from typing import TYPE_CHECKING
 
+from app.compat import no_split_module_names
 from app.storage import Store, StorageError, join
-from app.train.model import ModelError, build_peft_config
+
+if TYPE_CHECKING:
+    import torch.nn as nn
 
 SHOWN_NAMES = 12
+
+
+class ModelError(ValueError):
+    """The model URI does not hold a loadable model."""
+
+
+def build_peft_config(lora_cfg):
+    """Our LoraConfig → PEFT's. Training and export both build it here, so adapters match."""
+    from peft import LoraConfig as PeftLoraConfig
+
+    return PeftLoraConfig(
+        r=lora_cfg.r, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
+        target_modules=list(lora_cfg.target_modules), bias="none", task_type="CAUSAL_LM",
+    )
+
+
+def decoder_blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks, found by the class names HF lists as never to be split."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = no_split_module_names(inner)
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise ModelError(f"cannot find decoder blocks to shard in {type(inner).__name__}")
+    return blocks
 
 
 def load_model_config(store: Store, model_uri: str):

@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from app.data.packing import IGNORE_INDEX as IGNORE
+from app.batch import IGNORE_INDEX as IGNORE
 
 # Model config attributes under which the forward transforms the output layer's result before
 # returning it (Gemma's soft-capping, Cohere's and Granite's scaling): a loss computed inside the

@@ -96,7 +96,7 @@ class MetricsLog:
 
     def __init__(self, store: Store, run_uri: str, enabled: bool, upload_interval_s: float = 30.0,
                  tail_rows: int = 1000, max_unsent_rows: int = 100_000, flush_timeout_s: float = 10.0):
-        from app.train.sinks import BackgroundWriter
+        from app.observe.sinks import BackgroundWriter
 
         self.store, self.run_uri, self.enabled = store, run_uri, enabled
         self.upload_interval_s, self.flush_timeout_s = upload_interval_s, flush_timeout_s

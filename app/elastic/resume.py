@@ -23,8 +23,8 @@ from typing import Optional
 import yaml
 
 from app.data.manifest import load_manifest
+from app.elastic import checkpoint as ckpt
 from app.storage import Store, join
-from app.train import checkpoint as ckpt
 
 log = logging.getLogger("eft.resume")
 

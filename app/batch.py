@@ -1,4 +1,6 @@
-"""How one optimizer step's global batch splits over the workers: the one place that rule lives.
+"""Rows and batches, the two conventions every layer shares: the label that trains nothing
+(`IGNORE_INDEX`), and how one optimizer step's global batch splits over the workers (`BatchPlan`).
+They live at the ground floor so the config, the data stream and the loop read one definition.
 
 The optimizer sees G rows per step at every world size W. Rank r takes the slots
 [r*G//W, (r+1)*G//W) of each step (floor or ceil of G/W rows), in `accum` micro-batches of
@@ -15,6 +17,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Optional
+
+# The label of a position that trains nothing (a prompt token, padding): PyTorch's and
+# Hugging Face's cross-entropy ignore_index.
+IGNORE_INDEX = -100
 
 
 @dataclass(frozen=True)
