@@ -175,9 +175,9 @@ def build_watcher(clock: FakeClock, infos: dict, gone_at: float = math.inf, save
     return watcher, events, collectives, state
 
 
-def run_steps(watcher, clock, state, steps, step_s=1.0):
+def run_steps(watcher, clock, state, steps, step_s=1.0, first=1):
     """Steps of `step_s` until the watcher asks for a save: (step, decision), or (None, None)."""
-    for step in range(1, steps + 1):
+    for step in range(first, first + steps):
         clock.now += step_s
         state["step"] = step
         decision = watcher.after_step(step)
@@ -190,7 +190,13 @@ def test_watcher_saves_at_the_last_safe_step_then_drains_until_the_node_goes():
     clock = FakeClock()
     # Steps of 1 s; the notice is seen after step 5 (t=1005) with the deadline at t=1025.
     watcher, events, collectives, state = build_watcher(clock, {5: notice(1025.0)}, gone_at=1024.5)
-    step, decision = run_steps(watcher, clock, state, 40)
+    assert run_steps(watcher, clock, state, 5) == (None, None) and watcher.save_pending
+    # The saves between the notice and the late one wait for their uploads (save_pending).
+    watcher.record_save(4.0, uploaded=True)
+    assert watcher.save_s == 4.0 and watcher.save_timed
+    watcher.record_save(3.0, uploaded=True)
+    step, decision = run_steps(watcher, clock, state, 40, first=6)
+    assert not watcher.save_pending
     # Save when one more step (1 s) + the save (3 s) would leave under the margin (2 s): the
     # first boundary with less than 6 s left is step 20 (t=1020, 5 s left).
     assert (step, decision.drain) == (20, True)

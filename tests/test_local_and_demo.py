@@ -145,7 +145,10 @@ def test_a_client_without_the_stacks_token_is_refused_in_one_line(user_stack):
         "eft: error: Token authentication is enabled but no authentication token was found"), no_token.stderr
     other_token = user_stack["work"] / "other_token"
     other_token.write_text(uuid.uuid4().hex * 2)
-    wrong = eft("train", *cfg, env={**user, "RAY_AUTH_TOKEN_PATH": str(other_token)})
+    # Ray retries a refused connect once a second for 20 s by default; its documented operator
+    # budget for that window keeps the test to the same refusal in a few seconds.
+    wrong = eft("train", *cfg, env={**user, "RAY_AUTH_TOKEN_PATH": str(other_token),
+                                    "RAY_gcs_server_port_wait_time_s": "3"})
     assert wrong.returncode == 1 and "Traceback" not in wrong.stderr
     assert wrong.stderr.strip().splitlines()[-1].startswith(
         f"eft: error: RAY_ADDRESS={exports['RAY_ADDRESS']}: Failed to connect"), wrong.stderr

@@ -442,7 +442,10 @@ def maybe_checkpoint(w: Worker) -> None:
     if not (just_in_time or before_grow or step % cfg.checkpoint.save_every_steps == 0 or step == last):
         return
     # A just-in-time or pre-grow save waits for its upload: the group drains only once it is up.
-    wait_for_upload = just_in_time is not None or before_grow is not None or not cfg.checkpoint.async_upload
+    # So does any save while a late one is pending (see PreemptionWatcher.save_pending).
+    pending = watch.preemption is not None and watch.preemption.save_pending
+    wait_for_upload = (just_in_time is not None or before_grow is not None or pending
+                       or not cfg.checkpoint.async_upload)
     if before_grow:
         # Written now: the save's report to Ray may block until the group is torn down (see
         # GrowRequests.acknowledge_when_up), and the heartbeat must already say this step was done.

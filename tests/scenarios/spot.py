@@ -87,8 +87,10 @@ def run_scenario(cluster: chaos.LocalCluster, out_path: str, base_uri: str, data
                          "hard_kill": run.recovery_after(log["killed_at"])}
     # The same run, uninterrupted on a fixed 3 workers: the reference trajectory.
     cluster.add_node()
+    # It needs only its metrics: one checkpoint, at the end.
     reference = cfg.model_copy(update={"name": "spot-reference", "scaling": cfg.scaling.model_copy(
-        update={"min_workers": 3, "max_workers": 3})})
+        update={"min_workers": 3, "max_workers": 3}), "checkpoint": cfg.checkpoint.model_copy(
+        update={"save_every_steps": cfg.training.max_steps})})
     log["reference_summary"] = run_training(reference, store)
     Path(out_path).write_text(json.dumps(log, indent=2, default=str))
 
