@@ -108,7 +108,7 @@ def cmd_train(args) -> int:
     from app.report import render_summary
     from app.train.launch import run_training
 
-    summary = run_training(cfg)
+    summary = run_training(cfg, wait_s=args.wait_timeout_s if args.wait else None)
     render_summary(summary)
     return 0
 
@@ -205,6 +205,16 @@ def cmd_report(args) -> int:
     return 0
 
 
+def positive_float(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        number = 0.0
+    if not number > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {value!r}")
+    return number
+
+
 def positive_int(value: str) -> int:
     try:
         number = int(value)
@@ -247,8 +257,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preview", type=positive_int, default=None, metavar="N",
                    help="show the first N records as tokens, trained and masked, and write nothing")
     p.set_defaults(fn=cmd_prepare)
-    with_config(sub.add_parser("train", help="fine-tune; re-run with the same name to resume")).set_defaults(
-        fn=cmd_train)
+    p = with_config(sub.add_parser("train", help="fine-tune; re-run with the same name to resume"))
+    p.add_argument("--wait", action="store_true",
+                   help="if another driver holds the run's lease, wait for it to end (or to die and its "
+                        "lease to expire) instead of refusing")
+    p.add_argument("--wait-timeout-s", type=positive_float, default=3600.0, metavar="S",
+                   help="with --wait: give up after this many seconds (default 3600)")
+    p.set_defaults(fn=cmd_train)
     p = with_config(sub.add_parser("export", help="checkpoint → PEFT adapter / merged model"))
     p.add_argument("--checkpoint", default=None, help="checkpoint URI (default: latest complete)")
     p.add_argument("--merge", action="store_true", help="also write the merged full model")

@@ -333,6 +333,11 @@ class CheckpointConfig(_Strict):
     """Ask Ray Train every step whether a node of the run is being pre-empted (a cheap barrier); on a
     notice, train on and save a just-in-time checkpoint as late as the deadline allows, then stop
     stepping until the node goes."""
+    preemption_margin_s: float = Field(2.0, ge=0)
+    """The least time left before a pre-emption deadline once the just-in-time checkpoint is up
+    (at least one step's time is kept as well). Raise it where step times jitter by seconds, such
+    as workers sharing a few CPU cores: a step slower than the margin can push the save past the
+    deadline."""
     before_grow: bool = True
     """Before an elastic run grows (Ray Train restarts the group bigger), save at the next step
     boundary so the grow recomputes no step. Off: the bigger group resumes from the latest periodic
@@ -384,13 +389,17 @@ class ScalingConfig(_Strict):
 
 
 class FaultToleranceConfig(_Strict):
-    """How many restarts a run may take."""
+    """How many restarts a run may take, and how long a dead driver holds the run."""
 
     max_failures: int = Field(3, ge=-1)
     """Worker-group restarts on errors; -1: unlimited."""
     max_preemption_failures: int = Field(-1, ge=-1)
     """Restarts after node pre-emption, counted apart from errors (a spot run may be reclaimed many
     times); -1: unlimited."""
+    run_lease_ttl_s: float = Field(120.0, ge=5.0)
+    """Lifetime of the run lease `<run>/_lease.json` (one driver per run), renewed by the driver
+    every quarter of it. A driver that dies holds the run this long at most; a driver paused
+    longer loses the run to the next one, and its workers commit nothing more."""
 
 
 class StorageConfig(_Strict):

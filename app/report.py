@@ -16,9 +16,10 @@ from typing import Optional
 
 from app.elastic import checkpoint as ckpt
 from app.elastic.resume import CONFIG_FILE, load_run_config
+from app.lease import describe_run_lease
 from app.observe import records
 from app.observe.metrics import format_duration, load_metrics
-from app.observe.summary import SUMMARY_FILE, build_interruptions, latest_nccl, load_summary
+from app.observe.summary import SUMMARY_FILE, build_interruptions, build_overlaps, latest_nccl, load_summary
 from app.storage import Store, join
 
 REPORT_DIR = "report"
@@ -51,6 +52,7 @@ def load_run(store: Store, run_uri: str) -> dict:
         "heartbeats": records.load_heartbeats(store, run_uri),
         "checkpoints": ckpt.list_checkpoints(store, run_uri),
         "summary": load_summary(store, run_uri) if has_summary else None,
+        "lease": describe_run_lease(store, run_uri),
     }
 
 
@@ -173,6 +175,9 @@ def build_status(run: dict, now: Optional[float] = None) -> dict:
         "latest_checkpoint": checkpoints[-1] if checkpoints else None,
         "nccl": latest_nccl(run["events"]),
         "error": (summary or {}).get("error"),
+        # Who holds the run now (the run lease), while a driver is live.
+        "lease": run.get("lease"),
+        "overlapping_attempts": build_overlaps(run["events"], run["heartbeats"]),
     }
 
 
@@ -249,6 +254,12 @@ def build_status_rows(status: dict) -> list[tuple[str, str]]:
     ]
     if status.get("nccl"):
         rows += format_nccl(status["nccl"])
+    if status.get("lease"):
+        lease = status["lease"]
+        rows.append(("driver", f"{lease['holder']}, lease epoch {lease['epoch']} until {lease['expires_at']}"))
+    if status.get("overlapping_attempts"):
+        rows.append(("overlapping attempts", f"{len(status['overlapping_attempts'])} (two drivers stepped this run "
+                                             "at once; not counted as restarts)"))
     if status["error"]:
         rows.append(("error", status["error"]))
     return rows

@@ -215,6 +215,23 @@ def test_watcher_saves_at_the_last_safe_step_then_drains_until_the_node_goes():
     assert draining["kind"] == "draining" and draining["nodes"] == ["node-c"]
 
 
+def test_a_periodic_save_that_leaves_no_room_after_it_becomes_the_late_save():
+    """Steps of 1 s, a save of 3 s, a margin of 2 s, the deadline 20 s after the notice: alone,
+    the late save comes at step 20 (above). A periodic save due at step 18 (7 s left) would
+    leave 4 s, under another step + save + margin: that save is the late one, then the drain."""
+    clock = FakeClock()
+    watcher, events, _, state = build_watcher(clock, {5: notice(1025.0)}, gone_at=1024.5)
+    assert run_steps(watcher, clock, state, 12) == (None, None)  # steps 1-12
+    for step in (13, 14, 15, 16, 17):
+        clock.now += 1.0
+        state["step"] = step
+        assert watcher.after_step(step, save_due=False) is None
+    clock.now += 1.0
+    state["step"] = 18
+    decision = watcher.after_step(18, save_due=True)
+    assert decision is not None and decision.drain and not watcher.save_pending
+
+
 def test_watcher_falls_back_to_saving_at_once_when_the_deadline_is_too_close():
     for deadline, reason in ((1008.0, "deadline in 3.0 s"), (None, "no deadline")):
         clock = FakeClock()

@@ -96,7 +96,8 @@ def test_every_config_renders_valid_manifests(config, overlay, schemas):
 def test_reference_scenario_70b_on_eks_spot(reference):
     job, cluster = reference["rayjob.yaml"], reference["raycluster.yaml"]
     spec = job["spec"]
-    assert spec["entrypoint"] == "eft train /config/job.yaml"
+    # A retry waits for the last driver's run lease (two 120 s lifetimes + 60 s) instead of failing.
+    assert spec["entrypoint"] == "eft train /config/job.yaml --wait --wait-timeout-s 300"
     assert spec["submissionMode"] == "K8sJobMode" and spec["shutdownAfterJobFinishes"] is True
     assert spec["backoffLimit"] >= 1 and spec["activeDeadlineSeconds"] > 0
     head = spec["rayClusterSpec"]["headGroupSpec"]

@@ -119,16 +119,39 @@ def test_the_readmes_steps_through_the_console_script(user_stack):
     assert again.returncode == 1
     assert again.stderr.strip().splitlines()[-1].startswith("eft: error: dataset already prepared at")
 
-    trained = eft("train", cfg_path, *sets, env=user, timeout=600)
-    assert trained.returncode == 0, trained.stderr[-3000:]
+    # One driver per run: a second `eft train` of the same run is refused in one line while the
+    # first holds its lease, before Ray starts; one with --wait starts when the first is done and
+    # resumes from its last checkpoint.
+    run_uri, work = f"s3://eft/runs/{README_RUN}", user_stack["work"]
+    with open(work / "first.out", "w") as out, open(work / "first.err", "w") as err:
+        first = subprocess.Popen([EFT, "train", cfg_path, *sets], stdout=out, stderr=err, cwd=ROOT, env=user)
+    deadline = time.monotonic() + 240
+    while first.poll() is None and time.monotonic() < deadline and not stack_s3(user_stack).list_objects_v2(
+            Bucket="eft", Prefix=f"runs/{README_RUN}/_lease.json").get("Contents"):
+        time.sleep(0.2)
+    second = eft("train", cfg_path, *sets, env=user)
+    assert second.returncode == 1 and "Traceback" not in second.stderr, second.stderr[-2000:]
+    line = second.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"eft: error: run {run_uri}: held by eft train (pid {first.pid} on "), line
+    assert " until " in line and "epoch 1 (lease " in line, line
+    assert "Connecting to existing Ray cluster" not in second.stderr  # refused before Ray
+    four = ["--set", "training.max_steps=4", "--set", "checkpoint.save_every_steps=2"]
+    with open(work / "waiter.err", "w") as err:
+        waiter = subprocess.Popen([EFT, "train", cfg_path, *sets, *four, "--wait", "--wait-timeout-s", "300"],
+                                  stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT, env=user)
+    assert first.wait(timeout=600) == 0, (work / "first.err").read_text()[-3000:]
+    assert waiter.wait(timeout=600) == 0, (work / "waiter.err").read_text()[-3000:]
     summary = json.loads(stack_s3(user_stack).get_object(Bucket="eft", Key=f"runs/{README_RUN}/summary.json")["Body"]
                          .read())
-    assert summary["steps"] == 2
+    assert summary["steps"] == 4 and summary["resumed_from_steps"] == [2] and summary["lease_epoch"] == 2
+    events = [json.loads(stack_s3(user_stack).get_object(Bucket="eft", Key=o["Key"])["Body"].read())
+              for o in stack_s3(user_stack).list_objects_v2(Bucket="eft", Prefix=f"runs/{README_RUN}/events/")
+              ["Contents"]]
+    assert sorted(e["lease_epoch"] for e in events if e["kind"] == "driver_start") == [1, 2]
     exported = eft("export", cfg_path, *sets, env=user)
     assert exported.returncode == 0, exported.stderr[-2000:]
     out = json.loads(exported.stdout)
-    run_uri = f"s3://eft/runs/{README_RUN}"
-    assert out["export_uri"] == join(run_uri, "export", "checkpoint-00000002")
+    assert out["export_uri"] == join(run_uri, "export", "checkpoint-00000004")
     assert out["adapter_uri"] == join(out["export_uri"], "adapter")
     key = out["adapter_uri"].removeprefix("s3://eft/") + "/adapter_model.safetensors"
     assert stack_s3(user_stack).head_object(Bucket="eft", Key=key)["ContentLength"] > 0
@@ -185,17 +208,17 @@ def job_status(stack: dict, submission_id: str) -> str:
 
 def test_ray_job_submit_trains_and_reports_errors(user_stack):
     """`ray job submit` with the real Ray Jobs CLI to the stack's `ray start --head`: the README's
-    command takes the run the steps above trained to 4 steps (it resumes at 2), and a bad config
+    command takes the run the steps above trained to 6 steps (it resumes at 4), and a bad config
     reaches `ray job logs` readably."""
     eft_cli = [sys.executable, "-m", "app.cli"]
     cfg = "jobs/configs/tiny-cpu.yaml"
     good = f"eft-test-{uuid.uuid4().hex[:6]}"
-    done = submit(user_stack, *eft_cli, "train", cfg, *README_SETS, "--set", "training.max_steps=4",
+    done = submit(user_stack, *eft_cli, "train", cfg, *README_SETS, "--set", "training.max_steps=6",
                   "--set", "checkpoint.save_every_steps=2", submission_id=good)
     assert job_status(user_stack, good) == "SUCCEEDED", done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads(stack_s3(user_stack).get_object(Bucket="eft", Key=f"runs/{README_RUN}/summary.json")["Body"]
                          .read())
-    assert summary["status"] == "succeeded" and summary["steps"] == 4 and summary["resumed_from_steps"] == [2]
+    assert summary["status"] == "succeeded" and summary["steps"] == 6 and summary["resumed_from_steps"] == [2, 4]
 
     bad = f"eft-bad-{uuid.uuid4().hex[:6]}"
     submit(user_stack, *eft_cli, "train", cfg, "--set", "training.lr_typo=1", submission_id=bad)

@@ -449,8 +449,8 @@ def test_a_second_prepare_of_a_dataset_fails_naming_the_holder_and_expiry(store,
         message = capsys.readouterr().err.strip().splitlines()[-1]
         held = json.loads(store.read_bytes(lease_uri(data_uri)))
         assert message == (f"eft: error: dataset {data_uri}: held by prepare (pid {first.owner['pid']} on "
-                           f"{first.owner['host']}) until {held['expires_at']} (lease {lease_uri(data_uri)}; "
-                           f"wait for it to finish, or for the lease to expire)")
+                           f"{first.owner['host']}, since {first.owner['started_at']}) until {held['expires_at']}, "
+                           f"epoch 1 (lease {lease_uri(data_uri)}; wait for it to finish, or for the lease to expire)")
         # A run does not start on a dataset being written either; its reader lease is withdrawn.
         with pytest.raises(LeaseError, match=rf"^{data_uri}: being prepared by prepare \(pid "):
             hold_reader_lease(store, data_uri, "s3://eft/runs/eager")

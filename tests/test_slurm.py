@@ -156,7 +156,7 @@ def test_brings_up_ray_on_two_nodes_and_trains(fake_slurm):
     head = ("ray start --head --node-ip-address=10.0.0.1 --port=6379 --dashboard-host=10.0.0.1 --dashboard-port=8265 "
             "--num-cpus=96 --num-gpus=8 --block [on node1]")
     worker = "ray start --address=10.0.0.1:6379 --num-cpus=96 --num-gpus=8 --block [on node2]"
-    train = ("eft train jobs/configs/llama3-70b-lora.yaml --set training.max_steps=10 "
+    train = ("eft train jobs/configs/llama3-70b-lora.yaml --wait --wait-timeout-s 300 --set training.max_steps=10 "
              "[RAY_ADDRESS=10.0.0.1:6379]")
     assert lines[0] == "scontrol show hostnames node[1-2]"
     (token_path,) = {line.split(",RAY_AUTH_TOKEN_PATH=")[1].split()[0] for line in lines if line.startswith("srun")}

@@ -3,6 +3,7 @@ Llama: loss falls, checkpoints hold adapters only, resume is exact, world size m
 
 from __future__ import annotations
 
+import json
 import pickle
 import subprocess
 import sys
@@ -567,16 +568,19 @@ def assert_loaded_what_from_pretrained_loads(cfg, parallelism: str) -> None:
 
 
 def test_driver_loss_resumes_with_the_data_position(straight_run, tmp_path):
-    """`eft train` killed outright mid-run, then the same command again: it resumes from the
-    latest checkpoint with the data position intact, and the summary shows one driver restart."""
+    """`eft train` killed outright mid-run, then the same command again: refused at once while
+    the dead driver's run lease lives, it takes the lease over once it expires (epoch 2), resumes
+    from the latest checkpoint with the data position intact, and the summary shows one driver
+    restart."""
     import os
 
     import ray
 
     from app.config import dump_config
+    from app.lease import LeaseError
 
     _, _, reference = straight_run
-    cfg = make_cfg("driver-loss", checkpoint={"save_every_steps": 3})
+    cfg = make_cfg("driver-loss", checkpoint={"save_every_steps": 3}, fault_tolerance={"run_lease_ttl_s": 15})
     job = tmp_path / "job.yaml"
     job.write_text(dump_config(cfg))
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address, "RAY_AUTH_MODE": "token"}
@@ -590,10 +594,82 @@ def test_driver_loss_resumes_with_the_data_position(straight_run, tmp_path):
     driver.wait()
     killed_at = len(load_metrics(store, cfg.run_uri))
     assert list_checkpoints(store, cfg.run_uri) and killed_at < 12
-    summary = run_training(cfg)
+    with pytest.raises(LeaseError, match=rf"^run {cfg.run_uri}: held by eft train \(pid {driver.pid} on "):
+        run_training(cfg)
+    summary = run_training(cfg, wait_s=60)
     metrics = load_metrics(store, cfg.run_uri)
-    assert summary["steps"] == 12 and summary["driver_restarts"] == 1
+    assert summary["steps"] == 12 and summary["driver_restarts"] == 1 and summary["lease_epoch"] == 2
     assert summary["interruptions"][0]["cause"] == "driver_restart"
     assert step_rows(metrics) == step_rows(reference)
+    for got, want in zip(metrics, reference):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-9, abs=1e-9), got["step"]
+
+
+def test_a_paused_driver_that_lost_its_run_commits_nothing_more(straight_run, tmp_path):
+    """`eft train` paused (SIGSTOP) past its run lease's lifetime while its workers train on; a
+    new driver waits for the lease, takes it over (epoch 2) and finishes the run. From the
+    takeover on nothing of epoch 1 is committed: its workers stop at their next commit, its
+    controller ends that run without a retry, and the paused driver, resumed (SIGCONT), exits
+    non-zero with one line and writes no summary. The run ends on the new holder's trajectory."""
+    import datetime as dt
+    import os
+    import signal
+
+    import boto3
+    import ray
+
+    from app.config import dump_config
+    from app.lease import read_lease
+
+    _, _, reference = straight_run
+    steps = 150  # the paused driver's workers must still be training when it loses the run
+    cfg = make_cfg("paused", training={"max_steps": steps, "eval_every_steps": None},
+                   checkpoint={"save_every_steps": 3}, fault_tolerance={"run_lease_ttl_s": 6})
+    job = tmp_path / "job.yaml"
+    job.write_text(dump_config(cfg))
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address, "RAY_AUTH_MODE": "token"}
+    with open(tmp_path / "paused.err", "w") as err:
+        driver = subprocess.Popen([sys.executable, "-m", "app.cli", "train", str(job)], env=env,
+                                  cwd=Path(__file__).resolve().parents[1], stdout=subprocess.DEVNULL, stderr=err)
+    store, deadline = Store(), time.monotonic() + 300
+    while not list_checkpoints(store, cfg.run_uri) and time.monotonic() < deadline and driver.poll() is None:
+        time.sleep(0.2)
+    os.kill(driver.pid, signal.SIGSTOP)
+    try:
+        summary = run_training(cfg, wait_s=60)
+    finally:
+        os.kill(driver.pid, signal.SIGCONT)
+    driver.wait(timeout=300)
+    # Its workers' log lines (Ray forwards them to the driver) may come after its own line.
+    (line,) = [x for x in (tmp_path / "paused.err").read_text().splitlines() if x.startswith("eft: error:")]
+    assert driver.returncode == 1
+    assert line.startswith(f"eft: error: run {cfg.run_uri}: lease ") and " lost to eft train (pid " in line, line
+    assert line.endswith("epoch 2 (this holder's epoch was 1); this driver wrote no summary"), line
+
+    assert summary["status"] == "succeeded" and summary["steps"] == steps and summary["lease_epoch"] == 2
+    lease = read_lease(store, join(cfg.run_uri, "_lease.json"))
+    assert lease["epoch"] == 2 and lease["released"]
+    took_over = dt.datetime.fromisoformat(lease["created_at"])
+    # Whatever landed after the takeover is epoch 2's. A fence is a read just before the write,
+    # so a commit that had passed it as the lease changed hands may land a moment later.
+    late = took_over + dt.timedelta(seconds=3)
+    events = load_events(store, cfg.run_uri)
+    writers = {e["metrics_writer"]: e["lease_epoch"] for e in events if e["kind"] == "worker_group_start"}
+    assert sorted(set(writers.values())) == [1, 2]
+    s3 = boto3.client("s3", region_name="us-east-1")
+    prefix = cfg.run_uri.removeprefix("s3://eft/") + "/"
+    after = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket="eft", Prefix=prefix)
+             for o in page.get("Contents", []) if o["LastModified"] > late]
+    sidecars = [k for k in after if k.endswith("/checkpoint.json")]
+    segments = [k for k in after if "/metrics/" in k and k.endswith(".jsonl")]
+    assert sidecars and segments and any(k.endswith("/summary.json") for k in after)
+    for key in sidecars:
+        assert json.loads(s3.get_object(Bucket="eft", Key=key)["Body"].read())["lease_epoch"] == 2, key
+    for key in segments:
+        assert writers[key.rsplit("/", 1)[1].split("-")[1]] == 2, key
+    # One trajectory: every step once, the first ones as the uninterrupted run took them.
+    metrics = load_metrics(store, cfg.run_uri)
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    assert step_rows(metrics[:len(reference)]) == step_rows(reference)
     for got, want in zip(metrics, reference):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-9, abs=1e-9), got["step"]

@@ -149,13 +149,15 @@ def build_app_state(model, optimizer, lora: bool) -> dict:
 
 
 def save(cfg, store: Store, model, optimizer, *, step: int, rows_consumed: int, world_size: int,
-         metrics: Optional[dict], rank: int, lineage: Optional[dict] = None, wait_for_upload: bool = False) -> None:
+         metrics: Optional[dict], rank: int, lineage: Optional[dict] = None, wait_for_upload: bool = False,
+         lease_epoch: Optional[int] = None) -> None:
     """Every rank writes its DCP shards to a local dir; Ray Train uploads and merges them into
     `<run>/checkpoint-<step>/` and registers the checkpoint only once every rank's part is up.
     Rank 0 adds train_state.json and, last, the sidecar listing every rank's files (a collective:
     every rank calls this). `lineage` ({"dataset", "identity"}, see app.elastic.resume) goes into the
     sidecar, and its dataset into train_state.json too. `wait_for_upload` overrides
-    `checkpoint.async_upload` (a just-in-time save must be up before the group drains)."""
+    `checkpoint.async_upload` (a just-in-time save must be up before the group drains).
+    `lease_epoch`: the run lease's epoch of the driver whose group saves it (app.lease)."""
     import ray.train
     import torch.distributed.checkpoint as dcp
     from ray.train import Checkpoint
@@ -172,7 +174,10 @@ def save(cfg, store: Store, model, optimizer, *, step: int, rows_consumed: int, 
         }, indent=2))
     files = gather_file_sizes(local, step)
     if rank == 0:
-        write_sidecar(local, build_sidecar(files, step=step, world_size=world_size, lineage=lineage))
+        sidecar = build_sidecar(files, step=step, world_size=world_size, lineage=lineage)
+        if lease_epoch is not None:
+            sidecar["lease_epoch"] = lease_epoch
+        write_sidecar(local, sidecar)
     mode = CheckpointUploadMode.ASYNC if cfg.checkpoint.async_upload and not wait_for_upload else CheckpointUploadMode.SYNC
     ray.train.report(dict(metrics or {"step": step}), checkpoint=Checkpoint.from_directory(str(local)),
                      checkpoint_dir_name=checkpoint_dir_name(step), checkpoint_upload_mode=mode,

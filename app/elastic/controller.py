@@ -114,24 +114,27 @@ class ControllerEvents:
     A launch that fails (a worker-group start timeout, say) shows as a failure out of
     SCHEDULING. Recording never raises: it must not affect the run."""
 
-    def __init__(self, store, run_uri: str, cfg=None):
-        self.store, self.run_uri, self.cfg = store, run_uri, cfg
+    def __init__(self, store, run_uri: str, cfg=None, fence=None):
+        self.store, self.run_uri, self.cfg, self.fence = store, run_uri, cfg, fence
 
     @classmethod
     def from_run_context(cls, train_run_context) -> "Optional[ControllerEvents]":
         from app.config import JobConfig
+        from app.lease import Fence
         from app.storage import Store
 
-        tree = (train_run_context.train_loop_config or {}).get("cfg")
-        if tree is None:
+        config = train_run_context.train_loop_config or {}
+        if config.get("cfg") is None:
             return None
-        cfg = JobConfig.model_validate(tree)
-        return cls(Store.from_config(cfg.storage), cfg.run_uri, cfg)
+        cfg = JobConfig.model_validate(config["cfg"])
+        return cls(Store.from_config(cfg.storage), cfg.run_uri, cfg, Fence.from_dict(config.get("fence")))
 
     def record(self, kind: str, **fields) -> None:
         from app.observe.records import record_event
 
         try:
+            if self.fence is not None:  # a controller whose driver lost the run records nothing
+                self.fence.check(self.store)
             record_event(self.store, self.run_uri, kind, **fields)
         except Exception as err:  # storage trouble must not fail the controller
             log.warning("could not record %s: %s", kind, err)
@@ -218,15 +221,66 @@ def build_refresh_callback():
     return RefreshBeforeRestart()
 
 
-def build_controller_callbacks(elastic: bool) -> list:
+def build_fence_callback():
+    """A controller callback that ends the run, without a retry, once the driver's run lease has
+    a new holder: before each worker-group start and before each failure decision it checks the
+    fence (the lease epoch the run was started with, app.lease.Fence). A group whose workers
+    found the lease lost at a commit fails, and this turns Ray Train's retry into the end of the
+    run: a restarted group of a driver that lost its run would only fail at its first commit
+    again, holding nodes the new holder needs. None if this Ray has no controller callbacks."""
+    ControllerCallback = controller_callback_base()
+    if ControllerCallback is None:
+        return None
+
+    class StopWhenLeaseLost(ControllerCallback):
+        def __init__(self):
+            self.store, self.fence = None, None
+
+        def after_controller_start(self, train_run_context) -> None:
+            from app.config import JobConfig
+            from app.lease import Fence
+            from app.storage import Store
+
+            config = train_run_context.train_loop_config or {}
+            self.fence = Fence.from_dict(config.get("fence"))
+            if self.fence is not None:
+                self.store = Store.from_config(JobConfig.model_validate(config["cfg"]).storage)
+
+        def _check(self) -> None:
+            from ray.train import ControllerError
+
+            from app.lease import LeaseError
+
+            if self.fence is None:
+                return
+            try:
+                self.fence.check(self.store)
+            except LeaseError as lost:
+                log.error("%s", lost)
+                raise ControllerError(lost) from None
+            except Exception as err:  # storage trouble: decide as Ray would have
+                log.warning("run lease not checked (%s: %s)", type(err).__name__, err)
+
+        def before_controller_execute_resize_decision(self, resize_decision) -> None:
+            self._check()
+
+        def before_controller_execute_failure_decision(self, failure_decision) -> None:
+            self._check()
+
+    return StopWhenLeaseLost()
+
+
+def build_controller_callbacks(elastic: bool, fenced: bool = False) -> list:
     """The callbacks eft gives Ray Train's controller: the refresh-and-record callback for an
-    elastic run, and Ray's pre-emption watcher started as a non-restartable actor (it is what
+    elastic run, the run-lease check (`fenced`: the run holds a lease), and Ray's pre-emption watcher started as a non-restartable actor (it is what
     `ray.train.get_preemption_info` reads; see app.compat.build_preemption_callback). Ray's own
     watcher is turned off in its place, through Ray Train's documented switch, which the driver
     propagates to the controller. A user who turned the watcher off keeps it off."""
     import os
 
     callbacks = [build_refresh_callback()] if elastic else []
+    if fenced:
+        callbacks.append(build_fence_callback())
     if os.environ.get(RAY_PREEMPTION_WATCHER_ENV, "1").strip().lower() not in ("0", "false"):
         watcher = build_preemption_callback()
         if watcher is not None:

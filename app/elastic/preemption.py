@@ -113,8 +113,11 @@ class PreemptionWatcher:
         else:
             self.save_s = max(self.save_s, seconds)
 
-    def after_step(self, step: int) -> Optional[SaveDecision]:
-        """Called by every rank after each optimizer step: None, or a just-in-time save to take now."""
+    def after_step(self, step: int, save_due: bool = False) -> Optional[SaveDecision]:
+        """Called by every rank after each optimizer step: None, or a just-in-time save to take now.
+        `save_due`: a periodic save comes at this boundary anyway. While a late save is pending it
+        costs its own time before the next step, so it becomes the late save when what is left
+        after it would not fit another step and save."""
         now = self.clock()
         self.step_times.append(max(now - self._last_call - self._saving_s, 0.0))
         self._last_call, self._saving_s = now, 0.0
@@ -129,7 +132,8 @@ class PreemptionWatcher:
             return None
         if info.deadline_ms is not None:  # a later notice may bring the deadline forward
             self.pending = info
-        _, save_now = self._decide(self.pending.deadline_ms / 1000 - now)
+        left = self.pending.deadline_ms / 1000 - now
+        _, save_now = self._decide(left - (self.save_s if save_due else 0.0))
         return self._save_late(step) if save_now else None
 
     def _decide(self, left_s: float) -> tuple[bool, bool]:
@@ -189,7 +193,8 @@ class PreemptionWatcher:
                                 f"restarting from it")
 
 
-def build_preemption_watcher(store, run_uri: str, rank: int, device, state_bytes: int) -> PreemptionWatcher:
+def build_preemption_watcher(store, run_uri: str, rank: int, device, state_bytes: int,
+                             min_margin_s: float = 2.0) -> PreemptionWatcher:
     """The watcher on Ray: its notices from Ray Train, the decision agreed by one all-reduce
     (MAX of two flags; only while a notice is pending), events written by rank 0, node liveness
     from the GCS."""
@@ -218,7 +223,8 @@ def build_preemption_watcher(store, run_uri: str, rank: int, device, state_bytes
             return True
 
     return PreemptionWatcher(get_info=ray.train.get_preemption_info, agree=agree, record=record,
-                             node_alive=node_alive, initial_save_s=initial_save_estimate(state_bytes))
+                             node_alive=node_alive, initial_save_s=initial_save_estimate(state_bytes),
+                             min_margin_s=min_margin_s)
 
 
 def state_bytes(params, optimizer_slots: int = 2) -> int:

@@ -112,6 +112,12 @@ def resolve_overlay(name: Optional[str]) -> Overlay:
     return OVERLAYS[name]
 
 
+def lease_wait_s(cfg: JobConfig) -> int:
+    """How long a retried driver waits for the run lease: two of its lifetimes, so a driver that
+    died without releasing it is always outwaited."""
+    return int(2 * cfg.fault_tolerance.run_lease_ttl_s + 60)
+
+
 def resolve_node_type(cfg: JobConfig, overlay: Overlay, node_type: Optional[str]) -> NodeType:
     name = node_type or (overlay.gpu_node if cfg.scaling.use_gpu else overlay.cpu_node)
     if name not in NODE_TYPES:
@@ -427,7 +433,10 @@ def build_manifests(cfg: JobConfig, overlay_name: Optional[str], image: Optional
                   "data": {"job.yaml": dump_config(cfg)}}
     job_labels = dict(labels, **({KUEUE_QUEUE_LABEL: overlay.queue} if overlay.queue else {}))
     job_spec = {
-        "entrypoint": ENTRYPOINT,
+        # A retry may start while the last attempt's driver is still alive, or dead with its run
+        # lease not yet expired: it waits for the lease (up to two lifetimes) instead of
+        # failing, and never trains beside that driver (app.lease).
+        "entrypoint": f"{ENTRYPOINT} --wait --wait-timeout-s {lease_wait_s(cfg)}",
         "submissionMode": "K8sJobMode",
         "shutdownAfterJobFinishes": True,
         "ttlSecondsAfterFinished": 600,

@@ -95,10 +95,12 @@ class MetricsLog:
     On resume the rows past the restored step are dropped by the readers (`merge_segments`)."""
 
     def __init__(self, store: Store, run_uri: str, enabled: bool, upload_interval_s: float = 30.0,
-                 tail_rows: int = 1000, max_unsent_rows: int = 100_000, flush_timeout_s: float = 10.0):
+                 tail_rows: int = 1000, max_unsent_rows: int = 100_000, flush_timeout_s: float = 10.0,
+                 fence=None):
         from app.observe.sinks import BackgroundWriter
 
         self.store, self.run_uri, self.enabled = store, run_uri, enabled
+        self.fence = fence  # app.lease.Fence: a segment is uploaded only while the run's lease is ours
         self.upload_interval_s, self.flush_timeout_s = upload_interval_s, flush_timeout_s
         self.max_unsent_rows = max_unsent_rows
         self.records: collections.deque = collections.deque(maxlen=tail_rows)
@@ -164,6 +166,8 @@ class MetricsLog:
         if rows is None:
             return
         uri = join(self.run_uri, METRICS_DIR, segment_name(seq, self.writer_id, self.from_step))
+        if self.fence is not None:
+            self.fence.check(self.store)
         self.store.write_text(uri, "".join(json.dumps(r) + "\n" for r in rows))
         with self._lock:
             self._unsent.pop(seq, None)

@@ -79,6 +79,8 @@ def build_interruptions(events: list[dict], heartbeats: list[dict]) -> list[dict
     beats = {b["attempt"]: b for b in heartbeats}
     out = []
     for i, (before, after) in enumerate(zip(starts, starts[1:])):
+        if is_overlap(beats.get(before.get("id"), {}), beats.get(after.get("id"), {})):
+            continue  # not a restart: two groups stepping at once (build_overlaps)
         between = [e for e in events if before["time"] < e["time"] < after["time"]]
         notices = [e for e in between if e["kind"] == "preemption_notice"]
         late_saves = [e for e in between if e["kind"] == "preemption_checkpoint"]
@@ -104,6 +106,28 @@ def build_interruptions(events: list[dict], heartbeats: list[dict]) -> list[dict
     return out
 
 
+def is_overlap(prev: dict, nxt: dict) -> bool:
+    """A group that took its first step before the group started ahead of it took its last:
+    two drivers on one run at once (before the run lease, or a lease's last write let through)."""
+    return bool(prev.get("last_step_at") and nxt.get("first_step_at") and nxt["first_step_at"] < prev["last_step_at"])
+
+
+def build_overlaps(events: list[dict], heartbeats: list[dict]) -> list[dict]:
+    """Consecutive worker groups that stepped at the same time: said as such, never counted as
+    an interruption with a negative recovery."""
+    starts = [e for e in events if e["kind"] == "worker_group_start"]
+    beats = {b["attempt"]: b for b in heartbeats}
+    out = []
+    for before, after in zip(starts, starts[1:]):
+        prev, nxt = beats.get(before.get("id"), {}), beats.get(after.get("id"), {})
+        if is_overlap(prev, nxt):
+            out.append({"attempts": [before.get("id"), after.get("id")],
+                        "overlap_s": round(prev["last_step_at"] - nxt["first_step_at"], 2),
+                        "steps_before": [prev.get("first_step"), prev.get("last_step")],
+                        "steps_after": [nxt.get("first_step"), nxt.get("last_step")]})
+    return out
+
+
 def latest_nccl(events: list[dict]) -> Optional[dict]:
     """What NCCL picked at the latest start (GPU runs only): network, plugin, fallback warning."""
     return next(({k: v for k, v in e.items() if k not in ("kind", "time", "id")}
@@ -123,6 +147,7 @@ def build_summary(store: Store, cfg, status: str, wall_s: float, checkpoints: li
     """The run's summary from its records; `checkpoints` are its complete checkpoints, oldest first."""
     metrics = load_metrics(store, cfg.run_uri)
     events = records.load_events(store, cfg.run_uri)
+    heartbeats = records.load_heartbeats(store, cfg.run_uri)
     starts = [e for e in events if e["kind"] == "worker_group_start"]
     drivers = [e for e in events if e["kind"] == "driver_start"]
     steps = int(_last(metrics, "step") or 0)
@@ -148,7 +173,8 @@ def build_summary(store: Store, cfg, status: str, wall_s: float, checkpoints: li
         "world_sizes": [s["world_size"] for s in starts],
         "world_size_timeline": [{"time": s["time"], "world_size": s["world_size"],
                                  "from_step": s.get("resumed_from_step") or 0} for s in starts],
-        "interruptions": build_interruptions(events, records.load_heartbeats(store, cfg.run_uri)),
+        "interruptions": build_interruptions(events, heartbeats),
+        "overlapping_attempts": build_overlaps(events, heartbeats),
         "preemption_notices": [{"step": e["step"], "deadline_ms": e.get("deadline_ms"), "nodes": e.get("nodes"),
                                 "plan": e.get("plan"), "fallback": e.get("fallback")}
                                for e in events if e["kind"] == "preemption_notice"],

@@ -1,7 +1,10 @@
-"""Driver side of `eft train`: preflight, then a Ray Train V2 `TorchTrainer` built from the config.
+"""Driver side of `eft train`: preflight, the run lease, then a Ray Train V2 `TorchTrainer` built
+from the config.
 
 Re-running with the same run name resumes: Ray Train restores its checkpoint manager from
-`<storage>/<name>/` and hands the workers the latest committed checkpoint.
+`<storage>/<name>/` and hands the workers the latest committed checkpoint. One driver at a time:
+the run lease (`<run>/_lease.json`, app.lease) is taken before Ray starts and anything is
+written, and the workers and controller carry its epoch (the fence) to every commit.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import time
 from app.cluster import init_ray
 from app.config import JobConfig, dump_config
 from app.data.lease import check_not_being_prepared, hold_reader_lease
+from app.lease import Fence, LeaseError, build_run_lease
 from app.data.manifest import load_manifest
 from app.data.stream import document_isolation
 from app.elastic import checkpoint as ckpt
@@ -57,7 +61,7 @@ def preflight(cfg: JobConfig, store: Store) -> dict:
     return manifest
 
 
-def build_trainer(cfg: JobConfig, store: Store, train_fn=None):
+def build_trainer(cfg: JobConfig, store: Store, train_fn=None, fence: Fence | None = None):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -71,10 +75,11 @@ def build_trainer(cfg: JobConfig, store: Store, train_fn=None):
                  **s.resources_per_worker}
     num_workers = s.min_workers if s.min_workers == s.max_workers else (s.min_workers, s.max_workers)
     fs, root = store.resolve(cfg.storage.root_uri)
-    callbacks = build_controller_callbacks(elastic=s.min_workers < s.max_workers)
+    callbacks = build_controller_callbacks(elastic=s.min_workers < s.max_workers, fenced=fence is not None)
     return TorchTrainer(
         train_fn or train_loop_per_worker,
-        train_loop_config={"cfg": cfg.model_dump(mode="json"), "mlflow": mlflow_settings()},
+        train_loop_config={"cfg": cfg.model_dump(mode="json"), "mlflow": mlflow_settings(),
+                           "fence": fence.to_dict() if fence is not None else None},
         torch_config=TorchConfig(backend="nccl" if s.use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=s.use_gpu, resources_per_worker=resources,
                                      elastic_resize_monitor_interval_s=s.elastic_resize_monitor_interval_s),
@@ -88,26 +93,40 @@ def build_trainer(cfg: JobConfig, store: Store, train_fn=None):
     )
 
 
-def run_training(cfg: JobConfig, store: Store | None = None, train_fn=None) -> dict:
-    """Preflight → trainer.fit() → summary.json. Returns the summary. `train_fn` wraps the
-    worker loop (tests inject faults with it)."""
+def run_training(cfg: JobConfig, store: Store | None = None, train_fn=None, wait_s: float | None = None) -> dict:
+    """Preflight → the run lease → trainer.fit() → summary.json. Returns the summary. `train_fn`
+    wraps the worker loop (tests inject faults with it). `wait_s`: wait up to this long for a
+    run lease another driver holds, instead of refusing at once."""
     store = store or Store.from_config(cfg.storage)
     preflight(cfg, store)
     cfg, why = apply_parallelism(cfg, store)
     log.info("training.parallelism %s: %s", cfg.training.parallelism, why)
     check_resume(cfg, store)
-    init_ray(log_to_driver=True)
+    # One writer per run, before Ray starts and before anything is written under the run.
+    lease = build_run_lease(store, cfg.run_uri, ttl_s=cfg.fault_tolerance.run_lease_ttl_s).start(wait_s=wait_s)
+    try:
+        try:
+            init_ray(log_to_driver=True)
+        except BaseException:
+            lease.stop(discard=True)  # refused by the cluster: a run that never started leaves nothing
+            raise
+        return train_holding(cfg, store, lease, train_fn)
+    finally:
+        lease.stop()
+
+
+def train_holding(cfg: JobConfig, store: Store, lease, train_fn=None) -> dict:
     started = time.time()
     resumed = ckpt.find_latest_checkpoint(store, cfg.run_uri) is not None
     # The resolved config is stored with every run; it holds no credentials by construction.
     store.write_text(join(cfg.run_uri, "config.yaml"), dump_config(cfg))
-    records.record_event(store, cfg.run_uri, "driver_start", resumed=resumed)
+    records.record_event(store, cfg.run_uri, "driver_start", resumed=resumed, lease_epoch=lease.epoch)
     status, error = "succeeded", None
     # While the driver lives, a prepare may not replace the dataset the workers stream.
     reader = hold_reader_lease(store, cfg.data.uri, cfg.run_uri)
     watcher = NodeWatcher().start() if cfg.scaling.min_workers < cfg.scaling.max_workers else None
     try:
-        build_trainer(cfg, store, train_fn).fit()
+        build_trainer(cfg, store, train_fn, fence=lease.fence()).fit()
     except Exception as err:  # the summary records the failure; the CLI re-raises it
         status, error = "failed", err
     finally:
@@ -117,6 +136,11 @@ def run_training(cfg: JobConfig, store: Store | None = None, train_fn=None) -> d
     summary = build_summary(store, cfg, status=status, wall_s=time.time() - started,
                             checkpoints=ckpt.list_checkpoints(store, cfg.run_uri),
                             error=None if error is None else f"{type(error).__name__}: {error}")
+    summary["lease_epoch"] = lease.epoch
+    try:
+        lease.check()  # a conditional renewal: the summary is committed only by the lease's holder
+    except LeaseError as lost:
+        raise LeaseError(f"{lost}; this driver wrote no summary") from error
     write_summary(store, cfg.run_uri, summary)
     if error is not None:
         raise error

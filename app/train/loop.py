@@ -33,6 +33,7 @@ from app.elastic import checkpoint as ckpt
 from app.elastic.grow import GrowRequests, build_grow_requests
 from app.elastic.preemption import PreemptionWatcher, build_preemption_watcher, state_bytes
 from app.elastic.resume import build_lineage
+from app.lease import Fence
 from app.model.build import build_model, count_parameters, resolve_precision, trainable_parameters
 from app.model.dropout import apply_row_dropout
 from app.model.loss import apply_loss, loss_sum
@@ -231,6 +232,7 @@ class Worker:
     data: DataParts
     model: ModelParts
     recorders: Recorders
+    fence: Optional[Fence] = None  # the run lease's epoch this group was started with
     watchers: Watchers = field(default_factory=Watchers)
     progress: Progress = field(default_factory=Progress)
 
@@ -246,6 +248,11 @@ def setup(config: dict) -> Worker:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     setup_worker_logging(rank)
     store = Store.from_config(cfg.storage)
+    # A group started by a driver that has since lost the run (Ray Train restarts groups on its
+    # own) stops here, before it writes anything.
+    fence = Fence.from_dict(config.get("fence"))
+    if fence is not None:
+        fence.check(store)
     device = ray.train.torch.get_device()
     # Before NCCL's first communicator, so its INIT/NET lines land where rank 0 can read them.
     nccl_probe = NcclProbe.start(device)
@@ -260,7 +267,8 @@ def setup(config: dict) -> Worker:
     if cfg.training.eval_every_steps and data.manifest["splits"].get("validation", {}).get("rows"):
         data.val = load_validation_rows(cfg, store, data.manifest, data.isolate)
     return Worker(cfg=cfg, rank=rank, world=world, nodes=max(world // ctx.get_local_world_size(), 1), device=device,
-                  store=store, data=data, model=model, recorders=Recorders(marks=marks, nccl_probe=nccl_probe))
+                  store=store, data=data, model=model, recorders=Recorders(marks=marks, nccl_probe=nccl_probe),
+                  fence=fence)
 
 
 def setup_data(cfg: JobConfig, store: Store, rank: int, world: int) -> DataParts:
@@ -328,7 +336,7 @@ def resume(w: Worker, config: dict) -> None:
         raise RuntimeError(f"checkpoint {d.checkpoint.path}: train_state changed while loading "
                            f"({d.start_rows} then {state.rows_consumed} rows consumed)")
     step = state.step
-    rec.metrics = MetricsLog(w.store, cfg.run_uri, enabled=w.rank == 0)
+    rec.metrics = MetricsLog(w.store, cfg.run_uri, enabled=w.rank == 0, fence=w.fence)
     rec.metrics.load(up_to_step=step)
     attempt = None
     if w.rank == 0:
@@ -342,12 +350,14 @@ def resume(w: Worker, config: dict) -> None:
                  "resuming" if step else "starting", step, d.steps_total)
         attempt = records.record_event(w.store, cfg.run_uri, "worker_group_start", world_size=w.world,
                                        resumed_from_step=step if state.restored else None, padding_rows=padding,
-                                       document_isolation=d.isolate, **rec.marks)
+                                       document_isolation=d.isolate, metrics_writer=rec.metrics.writer_id,
+                                       lease_epoch=w.fence.epoch if w.fence is not None else None, **rec.marks)
     rec.heartbeat = records.Heartbeat(w.store, cfg.run_uri, attempt or "", enabled=w.rank == 0,
                                       world_size=w.world, resumed_from_step=step)
     if cfg.checkpoint.on_preemption:
         w.watchers.preemption = build_preemption_watcher(w.store, cfg.run_uri, w.rank, w.device,
-                                                         state_bytes(m.params))
+                                                         state_bytes(m.params),
+                                                         min_margin_s=cfg.checkpoint.preemption_margin_s)
     if cfg.scaling.min_workers < cfg.scaling.max_workers and cfg.checkpoint.before_grow:
         w.watchers.grow = build_grow_requests(w.store, cfg.run_uri, w.rank)
     rec.timer = StepTimer(d.steps_total, start_step=step, device=w.device)
@@ -437,9 +447,10 @@ def maybe_checkpoint(w: Worker) -> None:
     deadline (then drain), and before a grow (then wait for the restart)."""
     cfg, p, rec, watch = w.cfg, w.progress, w.recorders, w.watchers
     step, last = p.step, w.data.steps_total
-    just_in_time = watch.preemption.after_step(step) if watch.preemption is not None else None
+    periodic = step % cfg.checkpoint.save_every_steps == 0 or step == last
+    just_in_time = watch.preemption.after_step(step, save_due=periodic) if watch.preemption is not None else None
     before_grow = watch.grow.after_step(step) if watch.grow is not None else None
-    if not (just_in_time or before_grow or step % cfg.checkpoint.save_every_steps == 0 or step == last):
+    if not (just_in_time or before_grow or periodic):
         return
     # A just-in-time or pre-grow save waits for its upload: the group drains only once it is up.
     # So does any save while a late one is pending (see PreemptionWatcher.save_pending).
@@ -454,11 +465,13 @@ def maybe_checkpoint(w: Worker) -> None:
         watch.grow.acknowledge_when_up(before_grow, step, cfg.checkpoint.before_grow_timeout_s)
     with rec.timer.phase("checkpoint"):
         began = time.monotonic()
+        if w.fence is not None:  # every rank: no rank's files go up once the run has another driver
+            w.fence.check(w.store)
         # Lines first: a checkpoint never exists without the metrics up to its step.
         rec.metrics.flush()
         ckpt.save(cfg, w.store, w.model.module, w.model.optimizer, step=step, rows_consumed=p.rows_consumed,
                   world_size=w.world, metrics=rec.metrics.latest(), rank=w.rank, lineage=w.data.lineage,
-                  wait_for_upload=wait_for_upload)
+                  wait_for_upload=wait_for_upload, lease_epoch=w.fence.epoch if w.fence is not None else None)
     if watch.preemption is not None:
         watch.preemption.record_save(time.monotonic() - began, uploaded=wait_for_upload)
     rec.heartbeat.beat(step, force=True)

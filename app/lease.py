@@ -1,0 +1,282 @@
+"""Leases: one holder of a storage prefix at a time, and fencing for a holder that lost it.
+
+A lease is one JSON object (`_lease.json` under the prefix it guards). It is created with a
+conditional PUT (If-None-Match: *), so of two takers started together exactly one wins; the
+other fails in one line naming the holder and the expiry. The holder renews it (a PUT
+conditional on the ETag it last wrote) every quarter of its lifetime; a crashed holder's lease
+expires and the next taker takes it over, again by a conditional PUT on the expired lease's
+ETag. On a local filesystem `Store.write_if` does the same under `flock`.
+
+Every take raises the lease's **epoch** by one: the epoch is the holder's generation. A lease
+that keeps its epoch across holders is released by marking it expired (`keep_epoch=True`, the
+run lease) rather than deleted, so the next holder's epoch is always higher than any before it.
+
+**Fencing.** A holder that stalls (a paused process, a partition) past its lease's lifetime may
+wake up after someone else took the lease over. Whatever it still runs (Ray Train's workers
+keep training while their driver is paused) carries a `Fence`: the lease's URI, the epoch and
+the holder id it was started with. `Fence.check()` reads the lease right before a commit and
+refuses unless it still names that holder and epoch. S3 has no write conditional on another
+object, so this is a read just before the write: a takeover that lands between the two lets one
+last write through, and every later one is refused.
+
+Expiry times are wall-clock UTC: holders are assumed to keep NTP time, well within a lifetime.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Callable, Optional
+
+from app.storage import Store, join
+
+log = logging.getLogger(__name__)
+
+LEASE_NAME = "_lease.json"
+LEASE_TTL_S = 120.0
+
+
+class LeaseError(RuntimeError):
+    """A prefix is held by someone else, or the lease was lost: one line naming it and the holder."""
+
+
+def lease_uri(prefix_uri: str) -> str:
+    return join(prefix_uri, LEASE_NAME)
+
+
+def now() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)
+
+
+def build_owner(role: str, **extra) -> dict:
+    """Who holds a lease: a fresh id (the only thing compared) and where it runs (for people)."""
+    return {"id": uuid.uuid4().hex, "role": role, "host": socket.gethostname(), "pid": os.getpid(),
+            "started_at": now().isoformat(timespec="seconds"), **extra}
+
+
+def describe_owner(owner: dict) -> str:
+    what = owner.get("run_uri") or owner.get("role", "?")
+    since = f", since {owner['started_at']}" if owner.get("started_at") else ""
+    return f"{what} (pid {owner.get('pid', '?')} on {owner.get('host', '?')}{since})"
+
+
+def lease_body(owner: dict, ttl_s: float, epoch: int, created_at: Optional[str] = None,
+               released: bool = False) -> bytes:
+    start = now()
+    expires = start if released else start + dt.timedelta(seconds=ttl_s)
+    return json.dumps({"owner": owner, "epoch": epoch, "created_at": created_at or start.isoformat(),
+                       "renewed_at": start.isoformat(), "expires_at": expires.isoformat(),
+                       "released": released}, indent=2).encode()
+
+
+def parse_lease(data: bytes) -> Optional[dict]:
+    """A lease object, or None if it is not one (a torn or foreign object counts as expired)."""
+    try:
+        lease = json.loads(data)
+        dt.datetime.fromisoformat(lease["expires_at"])
+        lease["owner"]["id"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return lease
+
+
+def is_live(lease: Optional[dict]) -> bool:
+    return lease is not None and not lease.get("released") and \
+        dt.datetime.fromisoformat(lease["expires_at"]) > now()
+
+
+def read_lease(store: Store, uri: str) -> Optional[dict]:
+    """The lease object at `uri` (parsed), or None if there is none or it is unreadable."""
+    current = store.read_versioned(uri)
+    return parse_lease(current[0]) if current else None
+
+
+class Lease:
+    """One held lease object. `start()` takes it, a thread renews it, `stop()` releases it.
+    `keep_epoch`: release by marking it expired (the epoch survives for the next holder) rather
+    than deleting it."""
+
+    def __init__(self, store: Store, uri: str, owner: dict, label: str, ttl_s: float = LEASE_TTL_S,
+                 keep_epoch: bool = False):
+        self.store, self.uri, self.owner, self.label, self.ttl_s = store, uri, owner, label, ttl_s
+        self.keep_epoch = keep_epoch
+        self._lock = threading.Lock()  # the renewing thread and a pre-commit check
+        self.version: Optional[str] = None
+        self.created_at: Optional[str] = None
+        self.epoch = 0
+        self.lost: Optional[str] = None
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    # -- taking and keeping it ---------------------------------------------------------
+    def take(self) -> None:
+        """Create the lease, or take over an expired or released one; LeaseError while another holds it."""
+        for _ in range(3):
+            current = self.store.read_versioned(self.uri)
+            held = parse_lease(current[0]) if current else None
+            if is_live(held) and held["owner"]["id"] != self.owner["id"]:
+                raise LeaseError(f"{self.label}: held by {describe_owner(held['owner'])} until {held['expires_at']}, "
+                                 f"epoch {held.get('epoch', 0)} (lease {self.uri}; wait for it to finish, or for "
+                                 f"the lease to expire)")
+            if current is not None and not (held and held.get("released")):
+                log.warning("lease: taking over %s from %s (expired %s)", self.uri,
+                            describe_owner(held["owner"]) if held else "an unreadable lease",
+                            held["expires_at"] if held else "?")
+            epoch = int(held.get("epoch", 0)) + 1 if held else 1
+            body = lease_body(self.owner, self.ttl_s, epoch)
+            version = self.store.write_if(self.uri, body, current[1] if current else None)
+            if version is None:
+                version = self._mine_after_retry()
+            if version is not None:
+                self.version, self.created_at, self.epoch = version, json.loads(body)["created_at"], epoch
+                return
+        raise LeaseError(f"{self.label}: could not take the lease {self.uri} (other writers keep taking it)")
+
+    def wait_and_take(self, wait_s: float, poll_s: float = 2.0, clock: Callable[[], float] = time.monotonic,
+                      sleep: Callable[[float], None] = time.sleep) -> None:
+        """`take()`, retried while another holds the lease, for at most `wait_s` seconds."""
+        deadline, said = clock() + wait_s, False
+        while True:
+            try:
+                return self.take()
+            except LeaseError as err:
+                if clock() >= deadline:
+                    raise LeaseError(f"{err} [waited {wait_s:.0f} s]") from None
+                if not said:
+                    log.warning("waiting for the lease (at most %.0f s): %s", wait_s, err)
+                    said = True
+                sleep(min(poll_s, max(deadline - clock(), 0.0)))
+
+    def _mine_after_retry(self) -> Optional[str]:
+        """A conditional PUT retried after a lost response fails against our own first write."""
+        current = self.store.read_versioned(self.uri)
+        held = parse_lease(current[0]) if current else None
+        return current[1] if held and held["owner"]["id"] == self.owner["id"] else None
+
+    def renew(self) -> None:
+        with self._lock:
+            self._renew()
+
+    def _renew(self, released: bool = False) -> None:
+        if self.lost:
+            raise LeaseError(self.lost)
+        body = lease_body(self.owner, self.ttl_s, self.epoch, self.created_at, released=released)
+        version = self.store.write_if(self.uri, body, self.version)
+        if version is None:
+            version = self._mine_after_retry()
+        if version is None:
+            held = read_lease(self.store, self.uri)
+            self.lost = (f"{self.label}: lease {self.uri} lost to {describe_owner(held['owner'])}, epoch "
+                         f"{held.get('epoch', 0)} (this holder's epoch was {self.epoch})" if held
+                         else f"{self.label}: lease {self.uri} removed by someone else")
+            raise LeaseError(self.lost)
+        self.version = version
+
+    def check(self) -> None:
+        """Renew now; LeaseError if the lease was taken over (call it right before a commit)."""
+        self.renew()
+
+    def fence(self) -> "Fence":
+        """What the holder's workers carry to check the lease before their commits."""
+        return Fence(self.uri, self.epoch, self.owner["id"], self.label)
+
+    # -- its life in the background ----------------------------------------------------
+    def start(self, wait_s: Optional[float] = None) -> "Lease":
+        if wait_s:
+            self.wait_and_take(wait_s)
+        else:
+            self.take()
+        self._thread = threading.Thread(target=self._keep, name=f"lease {self.uri}", daemon=True)
+        self._thread.start()
+        return self
+
+    def _keep(self) -> None:
+        while not self._stop.wait(self.ttl_s / 4):
+            try:
+                self.renew()
+            except LeaseError as err:
+                log.warning("lease: %s", err)
+                return
+            except Exception as err:  # a storage blip (pyarrow or botocore): the next renewal may pass
+                log.warning("lease: renewing %s failed (%s: %s); retrying", self.uri, type(err).__name__, err)
+
+    def stop(self, discard: bool = False) -> None:
+        """Stop renewing and release the lease if it is still ours. `discard`: the holder wrote
+        nothing under it (it failed before it started), so a lease it created (epoch 1) goes
+        altogether rather than staying behind as the only object of a run that never ran."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self.version is None or self.lost:
+            return
+        version, self.version = self.version, None  # a second stop() is a no-op
+        try:
+            if discard and self.epoch == 1:
+                self.store.delete_if(self.uri, version)
+            elif self.keep_epoch:
+                self.version = version
+                with self._lock:
+                    self._renew(released=True)
+                self.version = None
+            else:
+                self.store.delete_if(self.uri, version)
+        except Exception as err:  # it expires on its own
+            log.warning("lease: releasing %s failed (%s: %s); it expires within %.0f s", self.uri,
+                        type(err).__name__, err, self.ttl_s)
+
+    def __enter__(self) -> "Lease":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class Fence:
+    """A lease holder's generation, carried by what it runs elsewhere (Ray Train's workers and
+    controller): `check()` before a commit raises LeaseError once the lease names another holder
+    or epoch. A lease that expired without a new holder is still ours: nobody else writes."""
+
+    def __init__(self, uri: str, epoch: int, owner_id: str, label: str):
+        self.uri, self.epoch, self.owner_id, self.label = uri, epoch, owner_id, label
+
+    def to_dict(self) -> dict:
+        return {"uri": self.uri, "epoch": self.epoch, "owner_id": self.owner_id, "label": self.label}
+
+    @classmethod
+    def from_dict(cls, d: Optional[dict]) -> Optional["Fence"]:
+        return cls(d["uri"], int(d["epoch"]), d["owner_id"], d["label"]) if d else None
+
+    def check(self, store: Store) -> None:
+        held = read_lease(store, self.uri)
+        if held is not None and held["owner"]["id"] == self.owner_id and int(held.get("epoch", 0)) == self.epoch:
+            return
+        to = (f"{describe_owner(held['owner'])}, epoch {held.get('epoch', 0)}" if held
+              else "nobody (the lease was removed)")
+        raise LeaseError(f"{self.label}: lease lost to {to}; this holder (epoch {self.epoch}) commits nothing more")
+
+
+# -- the run's own lease ---------------------------------------------------------------------
+
+def build_run_lease(store: Store, run_uri: str, ttl_s: float = LEASE_TTL_S) -> Lease:
+    """One writer per run: `eft train` holds `<run>/_lease.json` from before Ray starts to after
+    the summary. Its epoch survives release, so every driver of a run has a higher one than the
+    drivers before it."""
+    # "run", not "run_uri": the line names the run once, and the holder as the command it is.
+    return Lease(store, lease_uri(run_uri), build_owner("eft train", run=run_uri), label=f"run {run_uri}",
+                 ttl_s=ttl_s, keep_epoch=True)
+
+
+def describe_run_lease(store: Store, run_uri: str) -> Optional[dict]:
+    """For `eft status`: the run lease's holder, epoch and expiry while it is live, else None."""
+    held = read_lease(store, lease_uri(run_uri))
+    if not is_live(held):
+        return None
+    owner = held["owner"]
+    return {"holder": describe_owner(owner), "host": owner.get("host"), "pid": owner.get("pid"),
+            "started_at": owner.get("started_at"), "epoch": held.get("epoch", 0), "expires_at": held["expires_at"]}
