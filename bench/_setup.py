@@ -52,6 +52,22 @@ def local_s3() -> Iterator[str]:
         yield server.endpoint
 
 
+@contextlib.contextmanager
+def bench_session(tree: dict, texts: Optional[list[str]] = None):
+    """The local S3 endpoint seeded with the bench model and corpus, a local Ray cluster, and
+    the job's dataset prepared; yields (store, manifest), and stops Ray at the end."""
+    from app.storage import Store
+
+    with local_s3():
+        store = Store()
+        seed_model_and_corpus(store, texts if texts is not None else bench_texts())
+        start_ray()
+        try:
+            yield store, prepare(build_job(tree), store)
+        finally:
+            stop_ray()
+
+
 def start_ray(num_cpus: int = 8) -> None:
     """A local Ray cluster like the tests' (more logical CPUs than cores, so Ray Data has
     slots beside the training workers). Workers inherit this process's env."""

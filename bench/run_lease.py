@@ -25,11 +25,14 @@ from bench.common import markdown_table, save_result  # noqa: E402
 
 
 def run_without_lease(cfg, store) -> None:
-    """The run as `eft train` starts it, minus the run lease: no `_lease.json`, no fences."""
+    """The run as `eft train` starts it (the same preflight and the same parallelism resolved
+    from `auto`), minus the run lease: no `_lease.json`, no fences."""
     from app.cluster import init_ray
+    from app.plan import apply_parallelism
     from app.train.launch import build_trainer, preflight
 
     preflight(cfg, store)
+    cfg, _ = apply_parallelism(cfg, store)
     init_ray()
     build_trainer(cfg, store, fence=None).fit()
 
@@ -53,8 +56,6 @@ def main() -> None:
     parser.add_argument("--ttl-s", type=float, default=8.0, help="the leased runs' lease lifetime")
     args = parser.parse_args()
 
-    from app.lease import read_lease
-    from app.storage import Store, join
     from app.train.launch import run_training
 
     load_before = S.load_average()
@@ -64,31 +65,24 @@ def main() -> None:
                       fault_tolerance={"run_lease_ttl_s": args.ttl_s})
     tag = time.strftime("%H%M%S")
     runs: dict[str, list[dict]] = {"lease": [], "no lease": []}
-    with S.local_s3():
-        store = Store()
-        S.seed_model_and_corpus(store, S.bench_texts())
-        S.start_ray()
-        try:
-            S.prepare(S.build_job(base), store)
-            for r in range(args.rounds):
-                for mode in ("lease", "no lease"):
-                    cfg = S.build_job({**base, "name": f"lease-{mode.replace(' ', '-')}-{tag}-{r}"})
-                    print(f"round {r + 1}/{args.rounds}: {mode} ...", flush=True)
-                    began = time.monotonic()
-                    if mode == "lease":
-                        run_training(cfg, store)
-                        lease = read_lease(store, join(cfg.run_uri, "_lease.json"))
-                        renewals = lease["renewed_at"] != lease["created_at"]
-                    else:
-                        run_without_lease(cfg, store)
-                        renewals = None
-                    stats = step_stats(S.run_records(store, cfg.run_uri)["metrics"], args.save_every)
-                    runs[mode].append({"name": cfg.name, "round": r + 1, **stats, "wall_s": time.monotonic() - began,
-                                       "lease_renewed": renewals})
-                    print(f"  steady step {S.fmt(stats['step_s'], 4)} s, blocked per save "
-                          f"{S.fmt(stats['blocked_s_per_save'], 4)} s", flush=True)
-        finally:
-            S.stop_ray()
+    with S.bench_session(base) as (store, _):
+        for r in range(args.rounds):
+            for mode in ("lease", "no lease"):
+                cfg = S.build_job({**base, "name": f"lease-{mode.replace(' ', '-')}-{tag}-{r}"})
+                print(f"round {r + 1}/{args.rounds}: {mode} ...", flush=True)
+                began = time.monotonic()
+                if mode == "lease":
+                    run_training(cfg, store)
+                else:
+                    run_without_lease(cfg, store)
+                wall_s = time.monotonic() - began
+                stats = step_stats(S.run_records(store, cfg.run_uri)["metrics"], args.save_every)
+                # The driver renews every ttl/4 s for as long as it holds the lease.
+                renewals = int(wall_s // (args.ttl_s / 4)) if mode == "lease" else 0
+                runs[mode].append({"name": cfg.name, "round": r + 1, **stats, "wall_s": wall_s,
+                                   "lease_renewals": renewals})
+                print(f"  steady step {S.fmt(stats['step_s'], 4)} s, blocked per save "
+                      f"{S.fmt(stats['blocked_s_per_save'], 4)} s", flush=True)
     load_after = S.load_average()
 
     per_round = [a["step_s"] / b["step_s"] for a, b in zip(runs["lease"], runs["no lease"])]

@@ -202,7 +202,21 @@ def test_status_of_running_run(store, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
     assert cli.main(["status", cfg.run_uri]) == 0
     text = capsys.readouterr().out
-    assert "running" in text and "8 / 12" in text
+    assert "running" in text and "8 / 12" in text and "driver" not in text  # no lease: nobody named
+
+    # While a driver holds the run's lease, status names it and the lease's expiry.
+    from app.lease import build_run_lease
+
+    lease = build_run_lease(store, cfg.run_uri).start()
+    try:
+        held = build_status(load_run(store, cfg.run_uri))["lease"]
+        assert (held["pid"], held["epoch"]) == (os.getpid(), 1) and held["expires_at"]
+        assert cli.main(["status", cfg.run_uri]) == 0
+        text = capsys.readouterr().out
+        assert f"eft train (pid {os.getpid()} on" in text and "lease epoch 1 until" in text
+    finally:
+        lease.stop()
+    assert build_status(load_run(store, cfg.run_uri))["lease"] is None
 
 
 def test_resumed_run_is_not_reported_by_its_old_summary(store):
