@@ -146,9 +146,12 @@ class TensorBoardSink:
             files = list(self._closed)
         for name, path in files:
             self.store.write_bytes(join(self.uri, name), path.read_bytes())
+            # Both under the lock: `_roll` lists the directory under it, and a file it saw still
+            # there but no longer listed as closed would be queued again under a new name, then
+            # vanish before its upload (a flake seen on a loaded 2-core box).
             with self._lock:
+                path.unlink()
                 self._closed.remove((name, path))
-            path.unlink()
 
     def finish(self) -> bool:
         """Upload what is left, waiting at most `finish_timeout_s`; False (and a warning) if not all went up."""
