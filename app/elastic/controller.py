@@ -237,14 +237,10 @@ def build_fence_callback():
             self.store, self.fence = None, None
 
         def after_controller_start(self, train_run_context) -> None:
-            from app.config import JobConfig
-            from app.lease import Fence
-            from app.storage import Store
-
-            config = train_run_context.train_loop_config or {}
-            self.fence = Fence.from_dict(config.get("fence"))
-            if self.fence is not None:
-                self.store = Store.from_config(JobConfig.model_validate(config["cfg"]).storage)
+            # The same store and fence the controller's events are recorded with.
+            events = ControllerEvents.from_run_context(train_run_context)
+            if events is not None:
+                self.store, self.fence = events.store, events.fence
 
         def _check(self) -> None:
             from ray.train import ControllerError
@@ -272,10 +268,11 @@ def build_fence_callback():
 
 def build_controller_callbacks(elastic: bool, fenced: bool = False) -> list:
     """The callbacks eft gives Ray Train's controller: the refresh-and-record callback for an
-    elastic run, the run-lease check (`fenced`: the run holds a lease), and Ray's pre-emption watcher started as a non-restartable actor (it is what
-    `ray.train.get_preemption_info` reads; see app.compat.build_preemption_callback). Ray's own
-    watcher is turned off in its place, through Ray Train's documented switch, which the driver
-    propagates to the controller. A user who turned the watcher off keeps it off."""
+    elastic run, the run-lease check (`fenced`: the run holds a lease), and Ray's pre-emption
+    watcher started as a non-restartable actor (it is what `ray.train.get_preemption_info` reads;
+    see app.compat.build_preemption_callback). Ray's own watcher is turned off in its place,
+    through Ray Train's documented switch, which the driver propagates to the controller. A user
+    who turned the watcher off keeps it off."""
     import os
 
     callbacks = [build_refresh_callback()] if elastic else []
