@@ -91,9 +91,10 @@ def is_live(lease: Optional[dict]) -> bool:
         dt.datetime.fromisoformat(lease["expires_at"]) > now()
 
 
-def read_lease(store: Store, uri: str) -> Optional[dict]:
-    """The lease object at `uri` (parsed), or None if there is none or it is unreadable."""
-    current = store.read_versioned(uri)
+def read_lease(store: Store, uri: str, patient: bool = False) -> Optional[dict]:
+    """The lease object at `uri` (parsed), or None if there is none or it is unreadable.
+    `patient`: with the store's full retry budget (see `Store.read_versioned`)."""
+    current = store.read_versioned(uri, patient=patient)
     return parse_lease(current[0]) if current else None
 
 
@@ -111,6 +112,7 @@ class Lease:
         self.created_at: Optional[str] = None
         self.epoch = 0
         self.lost: Optional[str] = None
+        self.renewed_at = 0.0  # time.monotonic() of the last write that held the lease
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -135,6 +137,7 @@ class Lease:
                 version = self._mine_after_retry()
             if version is not None:
                 self.version, self.created_at, self.epoch = version, json.loads(body)["created_at"], epoch
+                self.renewed_at = time.monotonic()
                 return
         raise LeaseError(f"{self.label}: could not take the lease {self.uri} (other writers keep taking it)")
 
@@ -176,11 +179,25 @@ class Lease:
                          f"{held.get('epoch', 0)} (this holder's epoch was {self.epoch})" if held
                          else f"{self.label}: lease {self.uri} removed by someone else")
             raise LeaseError(self.lost)
-        self.version = version
+        self.version, self.renewed_at = version, time.monotonic()
 
-    def check(self) -> None:
-        """Renew now; LeaseError if the lease was taken over (call it right before a commit)."""
-        self.renew()
+    def check(self, retry_s: float = 2.0) -> None:
+        """Renew now; LeaseError if the lease was taken over (call it right before a commit). A
+        store that does not answer is tried again for as long as the lease, by the holder's own
+        clock, cannot have expired: a commit after an outage is safe until then, and not after."""
+        while True:
+            try:
+                return self.renew()
+            except LeaseError:
+                raise
+            except Exception as err:  # a storage blip (pyarrow or botocore)
+                left_s = self.renewed_at + self.ttl_s - time.monotonic()
+                if left_s <= retry_s:
+                    raise LeaseError(f"{self.label}: could not renew lease {self.uri} before it expired "
+                                     f"({type(err).__name__}: {err}); this holder commits nothing more") from None
+                log.warning("lease: renewing %s failed (%s: %s); trying again for %.0f s more", self.uri,
+                            type(err).__name__, err, left_s)
+                time.sleep(retry_s)
 
     def fence(self) -> "Fence":
         """What the holder's workers carry to check the lease before their commits."""
@@ -253,7 +270,9 @@ class Fence:
         return cls(d["uri"], int(d["epoch"]), d["owner_id"], d["label"]) if d else None
 
     def check(self, store: Store) -> None:
-        held = read_lease(store, self.uri)
+        # Patient: an outage that the commit after this check would ride out must not end the
+        # worker here first (a 20 s one did, with a 5-attempt read).
+        held = read_lease(store, self.uri, patient=True)
         if held is not None and held["owner"]["id"] == self.owner_id and int(held.get("epoch", 0)) == self.epoch:
             return
         to = (f"{describe_owner(held['owner'])}, epoch {held.get('epoch', 0)}" if held

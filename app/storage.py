@@ -289,11 +289,13 @@ class Store:
         self.write_bytes(uri, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
 
     # -- conditional writes (leases) -----------------------------------------------
-    def read_versioned(self, uri: str) -> Optional[tuple[bytes, str]]:
+    def read_versioned(self, uri: str, patient: bool = False) -> Optional[tuple[bytes, str]]:
         """(content, version) of one object, None if absent. The version is S3's ETag, or a hash
-        of the content on a local filesystem: what `write_if` compares against."""
+        of the content on a local filesystem: what `write_if` compares against. `patient`: the
+        full retry budget of a training write (a check right before a commit rides out the same
+        outage the commit would), unless this Store is interactive."""
         if is_s3(uri):
-            client, bucket, key = self._s3_object(uri)
+            client, bucket, key = self._s3_object(uri, patient=patient)
             try:
                 got = client.get_object(Bucket=bucket, Key=key)
             except client.exceptions.NoSuchKey:
@@ -346,14 +348,15 @@ class Store:
             path.unlink()
             return True
 
-    def _s3_object(self, uri: str):
+    def _s3_object(self, uri: str, patient: bool = False):
         import boto3
 
         bucket, _, key = uri[len("s3://"):].partition("/")
         # Fewer attempts than other writes: a lease write that waited out the full backoff could
         # outlive the lease it renews; the holder tries again at its next renewal instead.
-        client = boto3.client("s3", endpoint_url=s3_endpoint(self.endpoint), region_name=self.region,
-                              config=boto3_config(read_timeout=30, retries={"mode": "standard", "max_attempts": 5}))
+        config = (boto3_config() if patient and not self.interactive
+                  else boto3_config(read_timeout=30, retries={"mode": "standard", "max_attempts": 5}))
+        client = boto3.client("s3", endpoint_url=s3_endpoint(self.endpoint), region_name=self.region, config=config)
         return client, bucket, key
 
     @staticmethod

@@ -38,6 +38,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         for tier in sorted({TIER_OF_FIXTURE[f] for f in getattr(item, "fixturenames", ()) if f in TIER_OF_FIXTURE}):
             item.add_marker(tier)
+    # Modules with an e2e test first (the Makefile keeps this order: --no-loadscope-reorder). They
+    # are the longest, and with the slow tiers on two pytest-xdist workers (a module each at a
+    # time), a long module started last would run on alone at the end.
+    e2e_modules = {item.module.__name__ for item in items if item.get_closest_marker("e2e") and hasattr(item, "module")}
+    items.sort(key=lambda item: getattr(getattr(item, "module", None), "__name__", "") not in e2e_modules)
 
 
 @pytest.fixture(autouse=True)
@@ -120,9 +125,11 @@ def ray_cluster(s3):
     require_token_auth()  # a private token: nothing read from or written to ~/.ray
     ray.init(address="local", num_cpus=8, include_dashboard=True, log_to_driver=True,
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
-    # Where `make test` looks for the reason if this driver is killed (tests/report_crash.py).
+    # Where `make test` looks for the reason if this driver is killed (tests/report_crash.py): one
+    # record per pytest-xdist worker, each of which runs a cluster of its own.
     session = Path(ray_session_dir())
-    record = Path(__file__).resolve().parents[1] / "build" / "pytest-ray-session"
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    record = Path(__file__).resolve().parents[1] / "build" / f"pytest-ray-session-{worker}"
     record.parent.mkdir(exist_ok=True)
     record.write_text(str(session))
     yield ray
@@ -131,9 +138,25 @@ def ray_cluster(s3):
 
 @pytest.fixture(scope="session")
 def base_cache(tmp_path_factory) -> Path:
-    """One disk cache of the demo's pre-trained chat base for the stacks this session starts with
-    `eft local up --cache-dir`: the first one pre-trains (about a minute), the others reuse it."""
-    return tmp_path_factory.mktemp("eft-cache")
+    """One disk cache of the demo's pre-trained chat base, for the stacks tests start with `eft
+    local up --cache-dir`, the demo and the notebook: pre-trained here once per test run (about a
+    minute), under a lock that pytest-xdist's workers share, so a second worker waits for the
+    first instead of pre-training it again. (Pre-training itself: tests/test_tiny_base.py.)"""
+    import fcntl
+
+    from app.dev.tiny import save_pretrained_base
+    from app.storage import Store
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's directory, above each worker's own
+    cache = root / "eft-cache"
+    cache.mkdir(exist_ok=True)
+    with open(root / "eft-cache.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        # Into a throwaway local "bucket": what stays is the cache, keyed by corpus and recipe.
+        save_pretrained_base(Store(), str(root / f"eft-cache-{os.getpid()}" / "base"), cache_dir=cache)
+    return cache
 
 
 def build_tiny_dataset(cfg, work_dir: Path, max_docs: int = 300) -> dict:

@@ -26,7 +26,7 @@ DATA = "s3://eft/data/fault-tests"
 STEPS = 16
 
 
-def make_cfg(name: str, endpoint: str | None = None):
+def make_cfg(name: str, endpoint: str | None = None, num_to_keep: int = 2):
     return build_config({
         "name": name,
         "model": {"uri": BASE},
@@ -35,7 +35,7 @@ def make_cfg(name: str, endpoint: str | None = None):
         "prepare": {"input_uri": "s3://eft/raw/fault-tests.jsonl"},
         "training": {"max_steps": STEPS, "global_batch_size": 4, "micro_batch_size": 2, "lr": 1e-2,
                      "schedule": "constant"},
-        "checkpoint": {"save_every_steps": 4, "num_to_keep": 2},
+        "checkpoint": {"save_every_steps": 4, "num_to_keep": num_to_keep},
         "scaling": {"min_workers": 2, "max_workers": 2, "cpus_per_worker": 1},
         "storage": {"root_uri": "s3://eft/runs-faults", "s3_endpoint": endpoint},
     })
@@ -77,7 +77,8 @@ def test_a_20_second_storage_outage_mid_run_costs_time_not_the_run(s3, clean_run
     heartbeats all ride it out; no torn checkpoint is ever resumed from."""
     _, reference = clean_run
     with TcpProxy(s3.endpoint) as proxy:
-        cfg = make_cfg("outage", endpoint=proxy.endpoint)
+        # Every checkpoint kept: one a restart resumed from is still there to be looked at.
+        cfg = make_cfg("outage", endpoint=proxy.endpoint, num_to_keep=STEPS // 4)
         seen: dict = {}
 
         def cut_mid_run() -> None:

@@ -120,8 +120,9 @@ def test_the_readmes_steps_through_the_console_script(user_stack):
     assert again.stderr.strip().splitlines()[-1].startswith("eft: error: dataset already prepared at")
 
     # One driver per run: a second `eft train` of the same run is refused in one line while the
-    # first holds its lease, before Ray starts; one with --wait starts when the first is done and
-    # resumes from its last checkpoint.
+    # first holds its lease, before Ray starts; one with --wait, submitted with the README's
+    # `ray job submit` as a RayJob's retry would be, starts when the first is done and resumes
+    # from its last checkpoint.
     run_uri, work = f"s3://eft/runs/{README_RUN}", user_stack["work"]
     with open(work / "first.out", "w") as out, open(work / "first.err", "w") as err:
         first = subprocess.Popen([EFT, "train", cfg_path, *sets], stdout=out, stderr=err, cwd=ROOT, env=user)
@@ -136,11 +137,14 @@ def test_the_readmes_steps_through_the_console_script(user_stack):
     assert " until " in line and "epoch 1 (lease " in line, line
     assert "Connecting to existing Ray cluster" not in second.stderr  # refused before Ray
     four = ["--set", "training.max_steps=4", "--set", "checkpoint.save_every_steps=2"]
-    with open(work / "waiter.err", "w") as err:
-        waiter = subprocess.Popen([EFT, "train", cfg_path, *sets, *four, "--wait", "--wait-timeout-s", "300"],
-                                  stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT, env=user)
+    waiter_id, waited = f"eft-wait-{uuid.uuid4().hex[:6]}", {}
+    waiter = threading.Thread(target=lambda: waited.update(out=submit(
+        user_stack, sys.executable, "-m", "app.cli", "train", cfg_path, *sets, *four, "--wait", "--wait-timeout-s",
+        "300", submission_id=waiter_id)))
+    waiter.start()
     assert first.wait(timeout=600) == 0, (work / "first.err").read_text()[-3000:]
-    assert waiter.wait(timeout=600) == 0, (work / "waiter.err").read_text()[-3000:]
+    waiter.join(timeout=600)
+    assert job_status(user_stack, waiter_id) == "SUCCEEDED", waited["out"].stdout[-3000:] + waited["out"].stderr[-3000:]
     summary = json.loads(stack_s3(user_stack).get_object(Bucket="eft", Key=f"runs/{README_RUN}/summary.json")["Body"]
                          .read())
     assert summary["steps"] == 4 and summary["resumed_from_steps"] == [2] and summary["lease_epoch"] == 2
@@ -206,20 +210,12 @@ def job_status(stack: dict, submission_id: str) -> str:
     return out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-2000:]
 
 
-def test_ray_job_submit_trains_and_reports_errors(user_stack):
-    """`ray job submit` with the real Ray Jobs CLI to the stack's `ray start --head`: the README's
-    command takes the run the steps above trained to 6 steps (it resumes at 4), and a bad config
-    reaches `ray job logs` readably."""
+def test_ray_job_submit_reports_errors_and_wants_the_token(user_stack):
+    """`ray job submit` with the real Ray Jobs CLI to the stack's `ray start --head` (the README's
+    steps above trained through it): a bad config reaches `ray job logs` readably, and the Jobs
+    API refuses a client without the token."""
     eft_cli = [sys.executable, "-m", "app.cli"]
     cfg = "jobs/configs/tiny-cpu.yaml"
-    good = f"eft-test-{uuid.uuid4().hex[:6]}"
-    done = submit(user_stack, *eft_cli, "train", cfg, *README_SETS, "--set", "training.max_steps=6",
-                  "--set", "checkpoint.save_every_steps=2", submission_id=good)
-    assert job_status(user_stack, good) == "SUCCEEDED", done.stdout[-3000:] + done.stderr[-3000:]
-    summary = json.loads(stack_s3(user_stack).get_object(Bucket="eft", Key=f"runs/{README_RUN}/summary.json")["Body"]
-                         .read())
-    assert summary["status"] == "succeeded" and summary["steps"] == 6 and summary["resumed_from_steps"] == [2, 4]
-
     bad = f"eft-bad-{uuid.uuid4().hex[:6]}"
     submit(user_stack, *eft_cli, "train", cfg, "--set", "training.lr_typo=1", submission_id=bad)
     assert job_status(user_stack, bad) == "FAILED"
@@ -232,7 +228,7 @@ def test_ray_job_submit_trains_and_reports_errors(user_stack):
     tokenless = {k: v for k, v in user_stack["user"].items() if not k.startswith("RAY_AUTH_")}
     listed = ray_job(user_stack, "list", "--address", user_stack["exports"]["RAY_API_SERVER_ADDRESS"],
                      env=tokenless, timeout=120)
-    assert listed.returncode != 0 and good not in listed.stdout
+    assert listed.returncode != 0 and bad not in listed.stdout
     assert "Unauthorized: Missing authentication token" in listed.stdout + listed.stderr
 
 

@@ -118,3 +118,44 @@ def test_a_driver_that_never_started_leaves_no_lease_behind(run_uri):
     again = build_run_lease(store, run_uri).start()
     again.stop(discard=True)
     assert again.epoch == 2 and read_lease(store, uri)["released"] and read_lease(store, uri)["epoch"] == 2
+
+
+def test_checks_before_a_commit_ride_out_an_outage_the_lease_outlives(s3):
+    """Storage refuses every connection for 16 s, longer than a lease write's short budget
+    (5 attempts, at most 15 s of backoff): a worker's fence check and the driver's check before
+    its summary wait for the store, as the commit after them would; a driver whose lease
+    expires during the outage commits nothing, whatever the store says afterwards."""
+    import threading
+    import time
+
+    from app.dev.faults import TcpProxy
+
+    run_uri = f"s3://eft/runs-lease/{uuid.uuid4().hex[:8]}"
+    with TcpProxy(s3.endpoint) as proxy:
+        store = Store(endpoint=proxy.endpoint)
+        kept = build_run_lease(store, run_uri, ttl_s=60)
+        kept.take()
+        short = build_run_lease(store, f"{run_uri}-short", ttl_s=8)
+        short.take()
+        outcomes: dict = {}
+
+        def attempt(name, check):
+            started = time.monotonic()
+            try:
+                check()
+                outcomes[name] = ("ok", time.monotonic() - started)
+            except LeaseError as err:
+                outcomes[name] = (str(err), time.monotonic() - started)
+
+        checks = {"fence": lambda: kept.fence().check(store), "driver": kept.check, "expired": short.check}
+        threads = [threading.Thread(target=attempt, args=item) for item in checks.items()]
+        proxy.refuse_for(16)
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+    assert outcomes["fence"][0] == "ok" and outcomes["fence"][1] >= 15, outcomes
+    assert outcomes["driver"][0] == "ok" and outcomes["driver"][1] >= 15, outcomes
+    message, waited_s = outcomes["expired"]
+    assert message.startswith(f"run {run_uri}-short: could not renew lease ") and waited_s < 10, outcomes
+    assert message.endswith("this holder commits nothing more"), message
