@@ -7,11 +7,10 @@ PYTHON := python3
 # project so that pip does not resolve a plain `torch` to a multi-GB CUDA build.
 TORCH := torch==2.13.0
 PYTEST := $(VENV)/bin/pytest -q -p no:cacheprovider
-# Tiers from tests/conftest.py. The fast one runs a test per worker. The slow ones run a module per
-# worker, two at a time (a module's tests share its trained runs and its stack, in file order):
-# the restarts and outages they time leave enough idle CPU for a second module beside them on a
-# 2-core box (17.5 min for both tiers against 24 one at a time), and their timings have the
-# margins of a loaded CI machine.
+# Tiers from tests/conftest.py. The fast one runs a test per worker. The slow ones run on two
+# workers a group at a time (tests/conftest.py's scheduler: a module, or all the e2e modules as
+# one group, in file order): the restarts and outages they time leave idle CPU for a second group
+# beside them on a 2-core box, and their timings have the margins of a loaded CI machine.
 FAST := -m "not cluster and not e2e"
 SLOW := -m "cluster or e2e" -n 2 --dist loadfile --no-loadscope-reorder
 

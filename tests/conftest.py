@@ -34,15 +34,47 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 TIER_OF_FIXTURE = {"ray_cluster": "cluster", "new_user_shell": "e2e", "rank_processes": "e2e", "run_scenario": "e2e"}
 
 
+def holds_e2e_tests(path: str) -> bool:
+    """A test module that uses a fixture of the e2e tier (by its text: the scheduler below runs in
+    pytest-xdist's controller, which collects no tests)."""
+    try:
+        text = (Path(__file__).resolve().parents[1] / path).read_text()
+    except OSError:
+        return False
+    return any(tier == "e2e" and fixture in text for fixture, tier in TIER_OF_FIXTURE.items())
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`make test` runs the slow tiers on two pytest-xdist workers with --dist loadfile: a module
+    per worker at a time, its tests in file order (they share its fixtures), except that the
+    modules with e2e tests form one group, run one after another on one worker, first. They start
+    clusters and stacks of their own; two starting at once on 2 cores overran Ray's 30 s wait for
+    a raylet to register. Run first, that longest group does not finish alone at the end.
+    (xdist's own --dist loadgroup cannot do this under pytest 9: its nodeid suffix is lost.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class E2eTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return "e2e" if holds_e2e_tests(path) else path
+
+    return E2eTogether(config, log)
+
+
+def module_of(item) -> str:
+    return getattr(getattr(item, "module", None), "__name__", "")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         for tier in sorted({TIER_OF_FIXTURE[f] for f in getattr(item, "fixturenames", ()) if f in TIER_OF_FIXTURE}):
             item.add_marker(tier)
-    # Modules with an e2e test first (the Makefile keeps this order: --no-loadscope-reorder). They
-    # are the longest, and with the slow tiers on two pytest-xdist workers (a module each at a
-    # time), a long module started last would run on alone at the end.
-    e2e_modules = {item.module.__name__ for item in items if item.get_closest_marker("e2e") and hasattr(item, "module")}
-    items.sort(key=lambda item: getattr(getattr(item, "module", None), "__name__", "") not in e2e_modules)
+    # The modules with an e2e test first: pytest-xdist's scheduler above follows this order (the
+    # Makefile passes --no-loadscope-reorder).
+    e2e_modules = {module_of(item) for item in items if item.get_closest_marker("e2e")}
+    items.sort(key=lambda item: module_of(item) not in e2e_modules)
 
 
 @pytest.fixture(autouse=True)
