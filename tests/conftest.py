@@ -34,47 +34,10 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 TIER_OF_FIXTURE = {"ray_cluster": "cluster", "new_user_shell": "e2e", "rank_processes": "e2e", "run_scenario": "e2e"}
 
 
-def holds_e2e_tests(path: str) -> bool:
-    """A test module that uses a fixture of the e2e tier (by its text: the scheduler below runs in
-    pytest-xdist's controller, which collects no tests)."""
-    try:
-        text = (Path(__file__).resolve().parents[1] / path).read_text()
-    except OSError:
-        return False
-    return any(tier == "e2e" and fixture in text for fixture, tier in TIER_OF_FIXTURE.items())
-
-
-def pytest_xdist_make_scheduler(config, log):
-    """`make test` runs the slow tiers on two pytest-xdist workers with --dist loadfile: a module
-    per worker at a time, its tests in file order (they share its fixtures), except that the
-    modules with e2e tests form one group, run one after another on one worker, first. They start
-    clusters and stacks of their own; two starting at once on 2 cores overran Ray's 30 s wait for
-    a raylet to register. Run first, that longest group does not finish alone at the end.
-    (xdist's own --dist loadgroup cannot do this under pytest 9: its nodeid suffix is lost.)"""
-    if config.getvalue("dist") != "loadfile":
-        return None
-    from xdist.scheduler import LoadFileScheduling
-
-    class E2eTogether(LoadFileScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            path = super()._split_scope(nodeid)
-            return "e2e" if holds_e2e_tests(path) else path
-
-    return E2eTogether(config, log)
-
-
-def module_of(item) -> str:
-    return getattr(getattr(item, "module", None), "__name__", "")
-
-
 def pytest_collection_modifyitems(config, items):
     for item in items:
         for tier in sorted({TIER_OF_FIXTURE[f] for f in getattr(item, "fixturenames", ()) if f in TIER_OF_FIXTURE}):
             item.add_marker(tier)
-    # The modules with an e2e test first: pytest-xdist's scheduler above follows this order (the
-    # Makefile passes --no-loadscope-reorder).
-    e2e_modules = {module_of(item) for item in items if item.get_closest_marker("e2e")}
-    items.sort(key=lambda item: module_of(item) not in e2e_modules)
 
 
 @pytest.fixture(autouse=True)
@@ -157,11 +120,9 @@ def ray_cluster(s3):
     require_token_auth()  # a private token: nothing read from or written to ~/.ray
     ray.init(address="local", num_cpus=8, include_dashboard=True, log_to_driver=True,
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
-    # Where `make test` looks for the reason if this driver is killed (tests/report_crash.py): one
-    # record per pytest-xdist worker, each of which runs a cluster of its own.
+    # Where `make test` looks for the reason if this driver is killed (tests/report_crash.py).
     session = Path(ray_session_dir())
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-    record = Path(__file__).resolve().parents[1] / "build" / f"pytest-ray-session-{worker}"
+    record = Path(__file__).resolve().parents[1] / "build" / "pytest-ray-session"
     record.parent.mkdir(exist_ok=True)
     record.write_text(str(session))
     yield ray
@@ -170,25 +131,9 @@ def ray_cluster(s3):
 
 @pytest.fixture(scope="session")
 def base_cache(tmp_path_factory) -> Path:
-    """One disk cache of the demo's pre-trained chat base, for the stacks tests start with `eft
-    local up --cache-dir`, the demo and the notebook: pre-trained here once per test run (about a
-    minute), under a lock that pytest-xdist's workers share, so a second worker waits for the
-    first instead of pre-training it again. (Pre-training itself: tests/test_tiny_base.py.)"""
-    import fcntl
-
-    from app.dev.tiny import save_pretrained_base
-    from app.storage import Store
-
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # the run's directory, above each worker's own
-    cache = root / "eft-cache"
-    cache.mkdir(exist_ok=True)
-    with open(root / "eft-cache.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        # Into a throwaway local "bucket": what stays is the cache, keyed by corpus and recipe.
-        save_pretrained_base(Store(), str(root / f"eft-cache-{os.getpid()}" / "base"), cache_dir=cache)
-    return cache
+    """One disk cache of the demo's pre-trained chat base for the stacks this session starts with
+    `eft local up --cache-dir`: the first one pre-trains (about a minute), the others reuse it."""
+    return tmp_path_factory.mktemp("eft-cache")
 
 
 def build_tiny_dataset(cfg, work_dir: Path, max_docs: int = 300) -> dict:

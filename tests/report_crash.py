@@ -13,9 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-# tests/conftest.py writes one per pytest process that started the session cluster (pytest-xdist
-# workers: pytest-ray-session-gw0, -gw1; a plain run: -main).
-SESSION_FILES = Path(__file__).resolve().parents[1] / "build"
+SESSION_FILE = Path(__file__).resolve().parents[1] / "build" / "pytest-ray-session"
 # Lines worth a reader's time: Ray's errors and fatals, and why a process left.
 NOTABLE = re.compile(r"^\[[^\]]+ [EF] |Quick exit|is dead|Shutting down the core worker|Terminating|"
                      r"out of memory|OutOfMemory|No space left|killed", re.IGNORECASE)
@@ -56,11 +54,10 @@ def report_machine() -> None:
 
 def main() -> int:
     print("=== pytest exited non-zero; what the Ray logs and the machine say ===", flush=True)
-    sessions = [Path(f.read_text().strip()) for f in sorted(SESSION_FILES.glob("pytest-ray-session-*"))]
-    sessions = [s for s in sessions if s.is_dir()]
-    for session in sessions:
-        report_session(session)
-    if not sessions:
+    session = SESSION_FILE.read_text().strip() if SESSION_FILE.exists() else ""
+    if session and Path(session).is_dir():
+        report_session(Path(session))
+    else:
         print("no session Ray cluster was started by this test run")
     report_machine()
     return 0
