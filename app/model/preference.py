@@ -34,9 +34,6 @@ from app.batch import IGNORE_INDEX as IGNORE
 
 OBJECTIVES = ("dpo", "simpo", "orpo")
 DPO_LOSSES = ("sigmoid", "ipo")
-# The names every logging step records (metrics records, progress line, sinks, status, report).
-METRIC_NAMES = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "logps_chosen",
-                "logps_rejected")
 
 
 # -- per-token log-probs -----------------------------------------------------------------------
@@ -81,7 +78,7 @@ class ChunkedTokenLogps(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, chunk_tokens: int, dtype: torch.dtype):
         out = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
         w = weight.to(dtype)
-        with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
+        with torch.autocast(hidden.device.type, enabled=False):  # forward runs without grad
             for start in range(0, hidden.shape[0], chunk_tokens):
                 end = start + chunk_tokens
                 out[start:end] = chunk_logps(hidden[start:end].to(dtype), w, targets[start:end])[0]
