@@ -178,6 +178,8 @@ def cmd_plan(args) -> int:
             console = Console(width=max(console.width, 130))
         console.print(render_plan(cfg, plan, source))
         console.print(f"training.parallelism auto -> {plan.choice}: {plan.why}", highlight=False)
+        if plan.reference:
+            console.print(plan.reference, highlight=False)
     return 0
 
 

@@ -183,15 +183,21 @@ class PrepareConfig(_Strict):
     """Which documents a mixture picks and how they interleave; independent of `training.seed`."""
     input_format: Literal["jsonl", "parquet"] = "jsonl"
     """Format of the raw files."""
-    format: Literal["text", "instruction", "chat", "sharegpt"] = "text"
-    """Record format: plain text, prompt/response pairs, OpenAI-style `messages`, or ShareGPT
-    `conversations`."""
+    format: Literal["text", "instruction", "chat", "sharegpt", "preference"] = "text"
+    """Record format: plain text, prompt/response pairs, OpenAI-style `messages`, ShareGPT
+    `conversations`, or `preference` pairs (a prompt with a chosen and a rejected completion, as
+    strings or as messages: TRL's standard and conversational forms) for the preference objectives."""
     text_field: str = "text"
     """Field of a `text` record."""
     prompt_field: str = "instruction"
-    """Prompt field of an `instruction` record (its tokens are not trained)."""
+    """Prompt field of an `instruction` or `preference` record (its tokens are not trained); a
+    `preference` section without it reads `prompt`."""
     response_field: str = "response"
     """Response field of an `instruction` record."""
+    chosen_field: str = "chosen"
+    """Chosen completion field of a `preference` record."""
+    rejected_field: str = "rejected"
+    """Rejected completion field of a `preference` record."""
     messages_field: str = "messages"
     """Field of a `chat` record: a list of `{role, content}` messages."""
     conversations_field: str = "conversations"
@@ -208,7 +214,8 @@ class PrepareConfig(_Strict):
     overlong: Optional[Literal["drop", "truncate", "split"]] = None
     """A document longer than `data.seq_len`: split it over rows, drop it, or truncate it (whole
     leading turns through the last assistant turn that fits). Default: `split` for text and
-    instruction, `drop` for chat and sharegpt."""
+    instruction, `drop` for chat, sharegpt and preference (a pair longer than a row is always
+    dropped: its two documents share one row)."""
     tokenizer_uri: Optional[str] = None
     """Tokenizer dir; default: `model.uri`."""
     rows_per_shard: int = Field(1024, gt=0)
@@ -230,6 +237,14 @@ class PrepareConfig(_Strict):
     overwrite: bool = False
     """Replace a dataset already committed at `data.uri` (refused while a run reads it)."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _prompt_field_of_the_format(cls, data: Any) -> Any:
+        """TRL's preference records call the prompt `prompt`: the default for that format."""
+        if isinstance(data, dict) and data.get("format") == "preference" and "prompt_field" not in data:
+            return {**data, "prompt_field": "prompt"}
+        return data
+
     @model_validator(mode="after")
     def _one_input(self) -> "PrepareConfig":
         """Exactly one of `input_uri` and `inputs`; a mixture is not empty and runs on the local engine."""
@@ -241,7 +256,14 @@ class PrepareConfig(_Strict):
             raise ValueError("prepare.inputs is empty (list at least one {uri, weight})")
         if self.inputs is not None and self.engine == "ray":
             raise ValueError("prepare.engine ray does not run prepare.inputs mixtures yet (use local or auto)")
+        if self.format == "preference":
+            if self.inputs is not None:
+                raise ValueError("prepare.format preference does not mix sources yet (use prepare.input_uri)")
+            if self.overlong not in (None, "drop"):
+                raise ValueError(f"prepare.overlong {self.overlong}: a preference pair longer than data.seq_len "
+                                 f"is dropped (its two documents share one row); leave overlong unset or drop")
         return self
+
 
     def for_source(self, source: InputSource) -> "PrepareConfig":
         """This section as a single-input one for `source`: its URI and its record keys where set."""
@@ -311,6 +333,10 @@ class TrainingConfig(_Strict):
     trace_rows: bool = False
     """Record the row_ids of every optimizer step in the run's metrics (one all-gather per logged
     step)."""
+    objective: Literal["sft", "dpo", "simpo", "orpo"] = "sft"
+    """`sft`: next-token loss on the labelled tokens. `dpo`, `simpo`, `orpo`: preference tuning on a
+    dataset prepared with `prepare.format: preference` (the `preference` section sets them up); the
+    loss is normalized per pair over the global batch."""
 
     @model_validator(mode="after")
     def _one_length(self) -> "TrainingConfig":
@@ -318,6 +344,39 @@ class TrainingConfig(_Strict):
         if (self.max_steps is None) == (self.epochs is None):
             raise ValueError("set exactly one of training.max_steps and training.epochs")
         return self
+
+
+class PreferenceConfig(_Strict):
+    """The preference objectives (`training.objective` dpo, simpo or orpo)."""
+
+    beta: float = Field(0.1, gt=0)
+    """DPO's β (the KL penalty's inverse temperature); SimPO's reward scale; the scale of the reward
+    metrics for SimPO and ORPO."""
+    loss: Literal["sigmoid", "ipo"] = "sigmoid"
+    """DPO's loss: `sigmoid` (the DPO paper) or `ipo` (IPO's squared loss on length-averaged
+    log-ratios)."""
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5)
+    """Conservative DPO / SimPO: the probability that a pair's labels are flipped."""
+    simpo_gamma: float = Field(0.5, ge=0)
+    """SimPO's target reward margin γ."""
+    orpo_lambda: float = Field(0.1, gt=0)
+    """ORPO's weight λ of the odds-ratio term next to the SFT loss on the chosen completion."""
+    reference: Optional[Literal["precomputed", "live", "none"]] = None
+    """Where DPO's reference log-probs come from. `precomputed`: `eft prepare` computes them once
+    with the base model (`model.uri`) as a Ray Data batch-inference pass and stores them with the
+    dataset, so training holds one model. `live`: the trained model with its LoRA adapters disabled,
+    one extra forward per micro-batch (LoRA only). `none`: no reference (SimPO and ORPO). Default:
+    `precomputed` for dpo, `none` for simpo and orpo."""
+    reference_num_actors: int = Field(1, gt=0)
+    """`precomputed`: actors of the Ray Data pass that scores the dataset, each holding the reference
+    model (one GPU each when `scaling.use_gpu`)."""
+    reference_micro_batch_size: int = Field(4, gt=0)
+    """`precomputed`: packed rows per forward of the scoring pass."""
+
+    def reference_for(self, objective: str) -> str:
+        if self.reference is not None:
+            return self.reference
+        return "precomputed" if objective == "dpo" else "none"
 
 
 class CheckpointConfig(_Strict):
@@ -433,6 +492,7 @@ class JobConfig(_Strict):
     data: DataConfig
     prepare: Optional[PrepareConfig] = None
     training: TrainingConfig = Field(default_factory=TrainingConfig)
+    preference: PreferenceConfig = Field(default_factory=PreferenceConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     scaling: ScalingConfig = Field(default_factory=ScalingConfig)
     fault_tolerance: FaultToleranceConfig = Field(default_factory=FaultToleranceConfig)
@@ -465,7 +525,34 @@ class JobConfig(_Strict):
         if t.loss == "liger" and not s.use_gpu:
             raise ValueError("training.loss liger needs scaling.use_gpu: true (liger-kernel runs on GPU only); "
                              "use training.loss: chunked on CPU")
+        self._check_preference()
         return self
+
+    def _check_preference(self) -> None:
+        """The objective, its reference and the dataset's format agree."""
+        objective, reference = self.training.objective, self.preference.reference_for(self.training.objective)
+        if objective == "sft":
+            return
+        if self.prepare is not None and self.prepare.format != "preference":
+            raise ValueError(f"training.objective {objective} trains on pairs: set prepare.format: preference "
+                             f"(it is {self.prepare.format})")
+        if self.data.cross_document_attention:
+            raise ValueError(f"training.objective {objective}: data.cross_document_attention must stay false "
+                             f"(a pair's chosen and rejected documents share a row and must not see each other)")
+        if objective == "dpo" and reference == "none":
+            raise ValueError("preference.reference none: training.objective dpo needs a reference "
+                             "(precomputed or live)")
+        if objective != "dpo" and reference != "none":
+            raise ValueError(f"preference.reference {reference}: training.objective {objective} uses no reference "
+                             f"model (leave preference.reference unset)")
+        if reference == "live" and self.lora is None:
+            raise ValueError("preference.reference live needs a lora section (the reference is the model with "
+                             "its adapters disabled); use precomputed for a full fine-tune")
+
+    @property
+    def reference_mode(self) -> str:
+        """Where the preference objective's reference log-probs come from: precomputed, live or none."""
+        return self.preference.reference_for(self.training.objective)
 
     @property
     def run_uri(self) -> str:

@@ -28,6 +28,8 @@ bench/plan_accuracy.py checks the prediction against measured peaks.
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import json
 import math
@@ -287,6 +289,11 @@ def estimate_memory(cfg: JobConfig, model_config, world: int, parallelism: str) 
     activations = saved + recompute
     work = int(tokens * (2 * resid * h + 3 * mm * inter))  # one block's gradients in flight
     loss = loss_bytes(cfg, m, tokens, mm, storage, parallelism)
+    # The live reference: a no-grad forward of the same model (adapters off) before each
+    # micro-batch's own; nothing of it is kept, so it adds one block's working set and one chunk
+    # of logits at a time, never a second model.
+    reference = (int(tokens * per_layer) + 8 * min(t.loss_chunk_tokens, tokens) * m.vocab
+                 if cfg.reference_mode == "live" else 0)
     buffers = m.buffer_bytes + int(tokens * 2 * m.head_dim * resid) + tokens * 16  # rotary cos/sin, ids, labels
     cuda_context = CUDA_CONTEXT_BYTES if on_gpu else 0
 
@@ -298,6 +305,8 @@ def estimate_memory(cfg: JobConfig, model_config, world: int, parallelism: str) 
         "backward end": persistent + in_flight + gradients + work,
         "optimizer step": persistent + gradients + optimizer_step,
     }
+    if reference:
+        phases["reference forward"] = persistent + in_flight + reference
     peak_phase = max(phases, key=phases.get)
     return MemoryEstimate(parallelism, world, int(parameters), int(gradients), int(optimizer_state),
                           int(optimizer_step), int(sharding), activations, int(loss), int(buffers), cuda_context,
@@ -313,12 +322,16 @@ def loss_bytes(cfg: JobConfig, m: ModelLayout, tokens: int, mm: int, storage: in
     if t.loss == "full":
         # Backward of log-softmax: its output, the incoming gradient and the outgoing one, fp32.
         return 12 * tokens * vocab + head_grad
-    if t.loss == "chunked":
+    if t.loss == "chunked" or t.objective != "sft":
         chunk = min(t.loss_chunk_tokens, tokens)
         # One chunk's fp32 logits, reused in place for log-sum-exp and their gradient, plus the
         # logits in the compute dtype when it is narrower (bf16 matmul, then upcast); the hidden
-        # states' gradient is formed during forward and held until backward.
-        per_element = 4 + (mm if mm < 4 else 0)
+        # states' gradient is formed during forward and held until backward. The preference
+        # objectives' per-token log-probs (any training.loss but full) compute each chunk again in
+        # backward, with its log-softmax beside the fp32 logits: one more fp32 chunk.
+        if t.loss == "full":
+            return 12 * tokens * vocab + head_grad
+        per_element = 4 + (mm if mm < 4 else 0) + (4 if t.objective != "sft" else 0)
         return per_element * chunk * vocab + tokens * m.hidden * mm + head_grad
     # liger: chunks of about tokens / (vocab / hidden) rows, rounded up to a power of two.
     chunk = min(tokens, 2 ** math.ceil(math.log2(max(math.ceil(tokens / math.ceil(vocab / m.hidden)), 1))))
@@ -332,6 +345,7 @@ class Plan:
     estimates: dict  # (parallelism, world) → MemoryEstimate
     choice: str
     why: str
+    reference: Optional[str] = None  # what the preference objective's reference costs, in words
 
     @property
     def budget_bytes(self) -> Optional[int]:
@@ -345,6 +359,7 @@ class Plan:
     def to_dict(self) -> dict:
         return {"gpu_memory_bytes": self.gpu_memory_bytes, "headroom_fraction": self.headroom_fraction,
                 "budget_bytes": self.budget_bytes, "choice": self.choice, "why": self.why,
+                "reference": self.reference,
                 "estimates": [{**e.to_dict(), "fits": self.fits(p, w)} for (p, w), e in self.estimates.items()]}
 
 
@@ -354,6 +369,28 @@ def gib(n: float) -> str:
 
 def build_plan(cfg: JobConfig, model_config, gpu_memory_bytes: Optional[int],
                headroom_fraction: float = DEFAULT_HEADROOM) -> Plan:
+    """Both strategies at every world size and what `auto` picks (choose_strategy), with what the
+    preference objective's reference costs."""
+    plan = choose_strategy(cfg, model_config, gpu_memory_bytes, headroom_fraction)
+    return dataclasses.replace(plan, reference=describe_reference(cfg))
+
+
+def describe_reference(cfg: JobConfig) -> Optional[str]:
+    objective, mode = cfg.training.objective, cfg.reference_mode
+    if objective == "sft":
+        return None
+    if mode == "precomputed":
+        return ("preference.reference precomputed: `eft prepare` scored the pairs once with the reference model; "
+                "training holds one model, so its memory is SFT's at the same shape")
+    if mode == "live":
+        return ("preference.reference live: one no-grad forward of the model with its adapters disabled per "
+                "micro-batch (about a third more compute per step); its working set is the `reference forward` "
+                "phase, never a second model")
+    return f"training.objective {objective}: no reference model"
+
+
+def choose_strategy(cfg: JobConfig, model_config, gpu_memory_bytes: Optional[int],
+                    headroom_fraction: float = DEFAULT_HEADROOM) -> Plan:
     """Both strategies at every world size in scaling.min..max_workers, and what `auto` picks:
     DDP where the replicated model fits at every size, else FSDP2 (a range crossing the boundary
     runs FSDP2 throughout: the strategy is fixed for the run, across restarts and resizes)."""

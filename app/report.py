@@ -143,6 +143,10 @@ def build_world_size_timeline(events: list[dict]) -> list[dict]:
             for e in events if e["kind"] == "worker_group_start"]
 
 
+# The preference objectives' metrics `eft status` shows (app/train/objective.py logs them).
+PAIR_STATUS = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "val_reward_accuracy")
+
+
 def build_status(run: dict, now: Optional[float] = None) -> dict:
     """The status of a run as plain JSON-able values; None where the run recorded nothing."""
     metrics, summary = run["metrics"], current_summary(run)
@@ -166,6 +170,8 @@ def build_status(run: dict, now: Optional[float] = None) -> dict:
         "train_loss": last_value(metrics, "loss"),
         "val_loss": last_value(metrics, "val_loss"),
         "val_ppl": build_val_ppl(metrics),
+        # The preference objectives' implicit rewards (None for SFT runs).
+        **{name: last_value(metrics, name) for name in PAIR_STATUS},
         "eta_s": estimate_eta(latest, step) if state == "running" else None,
         "restarts": len(interruptions),
         "interruptions": interruptions,
@@ -211,6 +217,17 @@ def format_losses(status: dict) -> tuple[str, str]:
     return train, val
 
 
+def format_rewards(status: dict) -> list[tuple[str, str]]:
+    """The preference objectives' rows: the implicit rewards and how often the chosen one wins."""
+    if status.get("reward_margin") is None:
+        return []
+    return [("rewards", f"chosen {status['rewards_chosen']:.3f}, rejected {status['rewards_rejected']:.3f}, "
+                        f"margin {status['reward_margin']:.3f}"),
+            ("reward accuracy", f"{status['reward_accuracy']:.2f}"
+                                + (f" (validation {status['val_reward_accuracy']:.2f})"
+                                   if status.get("val_reward_accuracy") is not None else ""))]
+
+
 def format_restarts(status: dict) -> str:
     if not status["interruptions"]:
         return "0"
@@ -246,6 +263,7 @@ def build_status_rows(status: dict) -> list[tuple[str, str]]:
          else f"{status['peak_mem_gb']:.2f} GB ({status['peak_mem_kind']})"),
         ("train loss", train),
         ("val loss", val),
+        *format_rewards(status),
         ("ETA", "-" if status["eta_s"] is None else format_duration(status["eta_s"])),
         ("restarts", format_restarts(status)),
         ("pre-emption notices", ", ".join(f"step {s}" for s in status["preemption_notices"]) or "-"),
@@ -293,9 +311,10 @@ def build_loss_figure(run: dict, status: dict):
     from matplotlib.figure import Figure
 
     # A bare Figure on the Agg canvas: no pyplot global state, no display needed.
-    fig = Figure(figsize=(10, 5), dpi=100)
+    pairs = any(r.get("reward_margin") is not None for r in run["metrics"])
+    fig = Figure(figsize=(10, 8 if pairs else 5), dpi=100)
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
+    ax = fig.add_subplot(2, 1, 1) if pairs else fig.add_subplot()
     train = [(r["step"], r["loss"]) for r in run["metrics"] if r.get("loss") is not None]
     val = [(r["step"], r["val_loss"]) for r in run["metrics"] if r.get("val_loss") is not None]
     if train:
@@ -317,8 +336,37 @@ def build_loss_figure(run: dict, status: dict):
     ax.grid(alpha=0.3)
     if train:
         ax.legend(loc="upper right")
+    if pairs:
+        add_reward_panel(fig.add_subplot(2, 1, 2, sharex=ax), run["metrics"])
     fig.tight_layout()
     return fig
+
+
+def add_reward_panel(ax, metrics: list[dict]) -> None:
+    """The preference objectives' panel: chosen and rejected rewards, their margin, and the reward
+    accuracy on its own axis (0 to 1)."""
+    for key, label, color in (("rewards_chosen", "reward, chosen", "tab:green"),
+                              ("rewards_rejected", "reward, rejected", "tab:red"),
+                              ("reward_margin", "reward margin", "tab:blue")):
+        points = [(r["step"], r[key]) for r in metrics if r.get(key) is not None]
+        if points:
+            ax.plot(*zip(*points), label=label, color=color)
+    ax.set_xlabel("step")
+    ax.set_ylabel("implicit reward")
+    ax.grid(alpha=0.3)
+    accuracy = ax.twinx()
+    points = [(r["step"], r["reward_accuracy"]) for r in metrics if r.get("reward_accuracy") is not None]
+    accuracy.plot(*zip(*points), label="reward accuracy", color="black", linestyle=":")
+    val = [(r["step"], r["val_reward_accuracy"]) for r in metrics if r.get("val_reward_accuracy") is not None]
+    if val:
+        accuracy.plot(*zip(*val), label="reward accuracy, validation", color="tab:orange", marker="o",
+                      linestyle="none")
+    accuracy.set_ylim(0, 1.05)
+    accuracy.set_ylabel("reward accuracy")
+    handles = ax.get_legend_handles_labels()
+    more = accuracy.get_legend_handles_labels()
+    ax.legend(handles[0] + more[0], handles[1] + more[1], loc="upper left", fontsize=8)
+    ax.set_title("preference rewards")
 
 
 def render_png(fig) -> bytes:

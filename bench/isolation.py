@@ -64,7 +64,8 @@ def main() -> None:
     import torch
 
     from app.dev.tiny import build_tiny_model
-    from app.train.loop import label_tokens, loss_sum
+    from app.model.loss import loss_sum
+    from app.train.objective import label_tokens
     from transformers.masking_utils import find_packed_sequence_indices
 
     torch.set_num_threads(args.threads)

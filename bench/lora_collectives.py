@@ -51,7 +51,8 @@ def make_step(model, rank: int, world: int, args):
 
     from app.model.build import trainable_parameters
     from app.model.sharding import all_reduce_gradients, forward_autocast_dtype, replicated_parameters
-    from app.train.loop import grad_sync_context, loss_sum
+    from app.model.loss import loss_sum
+    from app.train.loop import grad_sync_context
 
     params, replicated = trainable_parameters(model), replicated_parameters(model)
     autocast = forward_autocast_dtype(model, None)

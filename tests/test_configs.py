@@ -32,7 +32,8 @@ def config_error(path: Path, overrides: list[str] | None = None) -> str:
 
 
 def test_the_shipped_configs_are_all_here():
-    assert {"tiny-cpu.yaml", "llama3-8b-lora.yaml", "llama3-70b-lora.yaml"} <= {p.name for p in CONFIGS.glob("*.yaml")}
+    assert {"tiny-cpu.yaml", "llama3-8b-lora.yaml", "llama3-70b-lora.yaml", "tiny-dpo.yaml",
+            "llama3-8b-dpo.yaml"} <= {p.name for p in CONFIGS.glob("*.yaml")}
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)

@@ -11,7 +11,7 @@ from numerics import assert_close
 
 from app.batch import IGNORE_INDEX
 from app.data.packing import build_example, pack_examples
-from app.train.loop import loss_sum
+from app.model.loss import loss_sum
 
 BOS, EOS, PAD = 1, 2, 0
 VOCAB = 96

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from app.config import ConfigError, build_config, load_config
-from app.plan import GIB, build_plan, choose_parallelism, estimate_memory
+from app.plan import GIB, as_config, build_plan, choose_parallelism, estimate_memory
 
 CONFIGS = Path(__file__).resolve().parents[1] / "jobs" / "configs"
 SMALL = {"model_type": "llama", "hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 4,
@@ -158,6 +158,7 @@ def test_cli_plan_json_and_its_one_line_errors(tmp_path, capsys):
                                                              ("ddp", 16): False, ("ddp", 32): False,
                                                              "choice": "fsdp"}),
     ("llama3-8b-lora", "Meta-Llama-3-8B", "p5.48xlarge", {("fsdp", 8): True, ("ddp", 8): True, "choice": "ddp"}),
+    ("llama3-8b-dpo", "Meta-Llama-3-8B", "p5.48xlarge", {("fsdp", 8): True, ("ddp", 8): True, "choice": "ddp"}),
 ])
 def test_reference_jobs_fit_as_their_configs_say(monkeypatch, capsys, name, model_dir, node_type, expected):
     """Planned from the published config.json that ships in jobs/models/, with no bucket at all:
@@ -206,3 +207,20 @@ def test_prediction_matches_a_measured_peak_within_20_percent(tmp_path):
     finally:
         dist.destroy_process_group()
     assert abs(predicted / measured - 1) <= 0.20, (predicted, measured)
+
+
+def test_a_precomputed_reference_plans_as_sft_and_a_live_one_adds_a_forward_phase():
+    """DPO on precomputed log-probs holds one model: the plan's peaks are the SFT job's at the same
+    shape. The live reference adds a no-grad forward phase below the peak, and says what it costs."""
+    model = str(MODELS / "Meta-Llama-3-8B")
+    dpo = load_config(CONFIGS / "llama3-8b-dpo.yaml", [f"model.uri={model}"])
+    sft = load_config(CONFIGS / "llama3-8b-dpo.yaml", [f"model.uri={model}", "training.objective=sft",
+                                                        "prepare.format=instruction", "preference.reference=null"])
+    llama = as_config(json.loads((MODELS / "Meta-Llama-3-8B" / "config.json").read_text()))
+    plans = {name: build_plan(cfg, llama, 80 * GIB) for name, cfg in (("dpo", dpo), ("sft", sft))}
+    for key, estimate in plans["sft"].estimates.items():
+        assert plans["dpo"].estimates[key].total_bytes == estimate.total_bytes
+    assert plans["sft"].reference is None and "holds one model" in plans["dpo"].reference
+    live = load_config(CONFIGS / "llama3-8b-dpo.yaml", [f"model.uri={model}", "preference.reference=live"])
+    assert estimate_memory(live, llama, 8, "fsdp").peak_phase == "backward start"
+    assert "adapters disabled" in build_plan(live, llama, 80 * GIB).reference

@@ -405,7 +405,8 @@ def test_tokenizer_actors_encode_alike_with_the_backend_or_transformers(store, t
     batch = pa.table({"source": ["a.jsonl"] * 4, "line": [1, 2, 3, 4],
                       "text": [corpus[0], None, corpus[1], "</s> is text here"],
                       "prompt": [None, None, "a prompt with <s>", None], "reason": [None, "bad JSON", None, None],
-                      "spans": [None] * 4, "turn_ends": [None] * 4},
+                      "spans": [None] * 4, "turn_ends": [None] * 4,
+                      **{name: [None] * 4 for name in ("rejected_text", "rejected_prompt", "rejected_spans")}},
                      schema=DOCUMENT_SCHEMA)
     spec = TokenizerSpec(BASE_URI, store.endpoint, store.region, tokenizer.eos_token_id, tokenizer.bos_token_id,
                          backend_json=None)

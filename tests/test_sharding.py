@@ -60,7 +60,8 @@ def run_variant(cfg, model_dir: Path, rank: int, world: int) -> dict:
     from app.model.sharding import (all_reduce_gradients, forward_autocast_dtype, is_compiled,
                                     replicated_parameters)
     from app.storage import Store
-    from app.train.loop import all_reduce_sum, grad_sync_context, loss_sum
+    from app.model.loss import loss_sum
+    from app.train.loop import all_reduce_sum, grad_sync_context
 
     reset_compile_state()
     model = build_model(cfg, Store(), torch.device("cpu"), rank, world)

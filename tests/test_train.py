@@ -107,7 +107,8 @@ def step_one_reference(manifest: dict, data_uri: str, row_ids: list[int], positi
 
     from app.data.manifest import shard_uris
     from app.model.build import load_pretrained
-    from app.train.loop import label_tokens, loss_sum
+    from app.model.loss import loss_sum
+    from app.train.objective import label_tokens
 
     store = Store()
     table = pa.concat_tables([pq.read_table(store.resolve(u)[1], filesystem=store.resolve(u)[0])

@@ -59,6 +59,13 @@ def read_turns(record: Any, field: str) -> Union[list[dict], Skip]:
 
 def read_messages(record: Any, field: str) -> Union[list[dict], Skip]:
     """An OpenAI-style `messages` list → validated messages (other keys, e.g. tool_calls, pass through)."""
+    messages = read_message_list(record, field)
+    return messages if isinstance(messages, Skip) else check_conversation(messages)
+
+
+def read_message_list(record: Any, field: str) -> Union[list[dict], Skip]:
+    """The record's `field` as messages with known roles and string contents, possibly empty and
+    with no assistant turn (a preference pair's prompt)."""
     raw = read_turns(record, field)
     if isinstance(raw, Skip):
         return raw
@@ -71,7 +78,7 @@ def read_messages(record: Any, field: str) -> Union[list[dict], Skip]:
             return Skip("content is not a string")
         # As apply_chat_template does: a key set to null is absent (Parquet structs hold every key).
         messages.append({key: value for key, value in message.items() if value is not None})
-    return check_conversation(messages)
+    return messages
 
 
 def read_sharegpt(record: Any, field: str, roles: dict[str, str]) -> Union[list[dict], Skip]:
@@ -113,7 +120,7 @@ class ChatFormat:
     def __init__(self, fmt: str, template: str, special_tokens: dict, train_on: str = "assistant",
                  messages_field: str = "messages", conversations_field: str = "conversations",
                  sharegpt_roles: Optional[dict[str, str]] = None):
-        if fmt not in ("chat", "sharegpt"):
+        if fmt not in ("chat", "sharegpt", "preference"):
             raise ValueError(f"not a chat format: {fmt!r}")
         if train_on not in TRAIN_ON:
             raise ValueError(f"train_on must be one of {TRAIN_ON}, got {train_on!r}")
@@ -136,6 +143,34 @@ class ChatFormat:
             return rendered
         return Document(rendered.text, None, tuple(x for span in rendered.spans for x in span),
                         tuple(rendered.turn_ends))
+
+    def pair_document(self, record: dict, prompt_field: str, chosen_field: str,
+                      rejected_field: str) -> Union[Document, Skip]:
+        """A conversational preference pair → the chosen Document holding the rejected one, each
+        `prompt + completion` rendered whole (the ids are apply_chat_template's), with only the
+        completion's assistant turns trained."""
+        prompt = read_message_list(record, prompt_field)
+        if isinstance(prompt, Skip):
+            return prompt
+        halves = []
+        for field in (chosen_field, rejected_field):
+            completion = read_messages(record, field)
+            if isinstance(completion, Skip):
+                return Skip(f"empty {field}") if completion.reason == "empty conversation" else completion
+            if not any(m["content"].strip() for m in completion if m["role"] == "assistant"):
+                return Skip(f"empty {field}")
+            rendered = self.render(prompt + completion)
+            if isinstance(rendered, Skip):
+                return rendered
+            # The completion's assistant turns are the last ones rendered; earlier ones are the prompt's.
+            own = sum(m["role"] == "assistant" for m in completion)
+            spans = rendered.spans[-own:] if self.train_on == "assistant" else rendered.spans
+            halves.append(Document(rendered.text, None, tuple(x for span in spans for x in span),
+                                   tuple(rendered.turn_ends)))
+        chosen, rejected = halves
+        if chosen.text == rejected.text:
+            return Skip("chosen equals rejected")
+        return chosen._replace(rejected=rejected)
 
     def render_text(self, messages: list[dict], add_generation_prompt: bool = False,
                     assistant_spans: bool = False) -> tuple[str, list[tuple[int, int]]]:

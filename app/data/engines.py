@@ -61,12 +61,17 @@ DOCUMENT_SCHEMA = pa.schema([
     # Chat formats only (null otherwise): flat (start, end) character pairs to train, and where
     # each assistant turn ends (see app/data/chat.py).
     ("spans", pa.list_(pa.int64())), ("turn_ends", pa.list_(pa.int64())),
+    # Preference pairs only (null otherwise): the rejected document; the columns above hold the chosen.
+    ("rejected_text", pa.string()), ("rejected_prompt", pa.string()), ("rejected_spans", pa.list_(pa.int64())),
 ])
 TOKENIZED_SCHEMA = pa.schema([
     ("source", pa.string()), ("line", pa.int64()), ("reason", pa.string()),
     ("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32())),
     # What happened to a document longer than seq_len: "split", "truncated" or "dropped" (no tokens).
     ("overlong", pa.string()),
+    # Preference pairs: input_ids holds the chosen document then the rejected one; this many tokens
+    # are the chosen's. Null for other formats.
+    ("chosen_tokens", pa.int64()),
 ])
 OVERLONG_OUTCOMES = ("split", "truncated", "dropped")
 
@@ -127,6 +132,7 @@ def encode_sources(column: pa.ChunkedArray) -> tuple[list[str], np.ndarray]:
 
 def build_document_table(sources: list[str], lines: list[int], parsed: list[Parsed]) -> pa.Table:
     """Per-row source, line and Document or Skip → a DOCUMENT_SCHEMA table."""
+    rejected = [p.rejected if isinstance(p, Document) else None for p in parsed]
     return pa.table({
         "source": sources, "line": lines,
         "text": [p.text if isinstance(p, Document) else None for p in parsed],
@@ -135,6 +141,9 @@ def build_document_table(sources: list[str], lines: list[int], parsed: list[Pars
         "spans": [list(p.spans) if isinstance(p, Document) and p.spans is not None else None for p in parsed],
         "turn_ends": [list(p.turn_ends) if isinstance(p, Document) and p.turn_ends is not None else None
                       for p in parsed],
+        "rejected_text": [r.text if r is not None else None for r in rejected],
+        "rejected_prompt": [r.prompt if r is not None else None for r in rejected],
+        "rejected_spans": [list(r.spans) if r is not None and r.spans is not None else None for r in rejected],
     }, schema=DOCUMENT_SCHEMA)
 
 
@@ -206,6 +215,11 @@ class TokenizeDocuments:
         return encode_chat_with_backend(self._chat_backend, texts)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
+        if "rejected_text" in batch.column_names and pc.any(pc.is_valid(batch["rejected_text"])).as_py():
+            return self.tokenize_pairs(batch)
+        return self.tokenize(batch, self.seq_len, self.overlong)
+
+    def tokenize(self, batch: pa.Table, seq_len: Optional[int], overlong_mode: str) -> pa.Table:
         n = batch.num_rows
         ok = pc.is_null(batch["reason"]).to_numpy(zero_copy_only=False)
         is_chat = np.zeros(n, dtype=bool)
@@ -219,20 +233,54 @@ class TokenizeDocuments:
         lengths = np.zeros(n, dtype=np.int64)
         lengths[plain] = doc_lengths
         overlong = np.full(n, None, dtype=object)
-        long_plain = plain[doc_lengths > self.seq_len] if self.seq_len else plain[:0]
-        if not len(chat) and (self.overlong == "split" or not len(long_plain)):
+        long_plain = plain[doc_lengths > seq_len] if seq_len else plain[:0]
+        if not len(chat) and (overlong_mode == "split" or not len(long_plain)):
             # The plain-text fast path: whole batches of documents as flat arrays.
             overlong[long_plain] = "split"
         else:
-            ids, labels, lengths = self.per_document(batch, plain, chat, ids, labels, lengths, overlong)
+            ids, labels, lengths = self.per_document(batch, plain, chat, ids, labels, lengths, overlong, seq_len,
+                                                     overlong_mode)
         return pa.table({
             "source": batch["source"], "line": batch["line"], "reason": batch["reason"],
             "input_ids": build_list_array(ids, lengths), "labels": build_list_array(labels, lengths),
-            "overlong": pa.array(overlong.tolist(), pa.string()),
+            "overlong": pa.array(overlong.tolist(), pa.string()), "chosen_tokens": pa.nulls(n, pa.int64()),
+        }, schema=TOKENIZED_SCHEMA)
+
+    def tokenize_pairs(self, batch: pa.Table) -> pa.Table:
+        """Preference pairs: each half tokenized as a document of its own (uncut), then the pair as
+        one row of the table, chosen first. A pair longer than seq_len is a skip: its two documents
+        must share a packed row."""
+        chosen = self.tokenize(batch, None, "split")
+        rejected_view = batch.select(["source", "line", "reason"]).append_column(
+            "text", batch["rejected_text"]).append_column("prompt", batch["rejected_prompt"]).append_column(
+            "spans", batch["rejected_spans"]).append_column(
+            "turn_ends", pa.nulls(batch.num_rows, pa.list_(pa.int64())))  # only truncation reads turn ends
+        rejected = self.tokenize(rejected_view, None, "split")
+        reasons = batch["reason"].to_pylist()
+        ids, labels, lengths, chosen_tokens = [], [], np.zeros(batch.num_rows, dtype=np.int64), []
+        columns = [t[c].to_pylist() for t in (chosen, rejected) for c in ("input_ids", "labels")]
+        for i, (c_ids, c_labels, r_ids, r_labels) in enumerate(zip(*columns)):
+            total = len(c_ids) + len(r_ids)
+            if reasons[i] is None and self.seq_len and total > self.seq_len:
+                reasons[i] = "pair longer than seq_len"
+            if reasons[i] is not None:
+                chosen_tokens.append(None)
+                continue
+            ids += [c_ids, r_ids]
+            labels += [c_labels, r_labels]
+            lengths[i] = total
+            chosen_tokens.append(len(c_ids))
+        flat_ids = np.fromiter((t for part in ids for t in part), dtype=np.int32, count=int(lengths.sum()))
+        flat_labels = np.fromiter((t for part in labels for t in part), dtype=np.int32, count=int(lengths.sum()))
+        return pa.table({
+            "source": batch["source"], "line": batch["line"], "reason": pa.array(reasons, pa.string()),
+            "input_ids": build_list_array(flat_ids, lengths), "labels": build_list_array(flat_labels, lengths),
+            "overlong": pa.nulls(batch.num_rows, pa.string()), "chosen_tokens": pa.array(chosen_tokens, pa.int64()),
         }, schema=TOKENIZED_SCHEMA)
 
     def per_document(self, batch: pa.Table, plain: np.ndarray, chat: np.ndarray, ids: np.ndarray,
-                     labels: np.ndarray, lengths: np.ndarray, overlong: np.ndarray):
+                     labels: np.ndarray, lengths: np.ndarray, overlong: np.ndarray, seq_len: Optional[int],
+                     overlong_mode: str):
         """Conversations and over-long documents one by one → flat (ids, labels, lengths) in row order."""
         docs: dict[int, tuple[np.ndarray, np.ndarray, Optional[list[int]]]] = {}
         bounds = np.cumsum(lengths[plain])
@@ -246,14 +294,14 @@ class TokenizeDocuments:
             for row, (doc_ids, offsets), doc_spans, ends in zip(chat, self.encode_chat(texts), spans, turn_ends):
                 pairs = np.asarray(doc_spans, dtype=np.int64).reshape(-1, 2)
                 doc_labels = np.where(span_token_mask(offsets, pairs), doc_ids, IGNORE_INDEX).astype(np.int32)
-                cuts = [tokens_before(offsets, end) for end in ends]
+                cuts = [tokens_before(offsets, end) for end in ends or ()]
                 docs[row] = (doc_ids, doc_labels, cuts)
         out_ids, out_labels = [], []
         lengths = np.zeros(len(lengths), dtype=np.int64)
         for row in sorted(docs):
             doc_ids, doc_labels, cuts = docs[row]
-            if self.seq_len and len(doc_ids) > self.seq_len:
-                doc_ids, doc_labels, overlong[row] = self.fit(doc_ids, doc_labels, cuts)
+            if seq_len and len(doc_ids) > seq_len:
+                doc_ids, doc_labels, overlong[row] = self.fit(doc_ids, doc_labels, cuts, seq_len, overlong_mode)
             out_ids.append(doc_ids)
             out_labels.append(doc_labels)
             lengths[row] = len(doc_ids)
@@ -261,12 +309,12 @@ class TokenizeDocuments:
         return (np.concatenate(out_ids) if out_ids else empty, np.concatenate(out_labels) if out_labels else empty,
                 lengths)
 
-    def fit(self, ids: np.ndarray, labels: np.ndarray, cuts: Optional[list[int]]):
-        """One over-long document → (ids, labels, outcome) under self.overlong."""
-        if self.overlong == "split":
+    def fit(self, ids: np.ndarray, labels: np.ndarray, cuts: Optional[list[int]], seq_len: int, overlong_mode: str):
+        """One over-long document → (ids, labels, outcome) under `overlong_mode`."""
+        if overlong_mode == "split":
             return ids, labels, "split"
-        if self.overlong == "truncate":
-            fitting = [c for c in cuts if c <= self.seq_len] if cuts is not None else [self.seq_len]
+        if overlong_mode == "truncate":
+            fitting = [c for c in cuts if c <= seq_len] if cuts is not None else [seq_len]
             cut = max(fitting, default=0)
             if cut and np.any(labels[:cut] != IGNORE_INDEX):
                 return ids[:cut], labels[:cut], "truncated"
@@ -347,6 +395,8 @@ def document_fields(cfg: JobConfig, chat: Optional[ChatFormat] = None) -> dict:
     p = cfg.prepare
     fields = {"fmt": p.format, "text_field": p.text_field, "prompt_field": p.prompt_field,
               "response_field": p.response_field}
+    if p.format == "preference":
+        fields.update(chosen_field=p.chosen_field, rejected_field=p.rejected_field)
     if chat is not None:
         fields["chat"] = chat
     return fields
@@ -358,10 +408,19 @@ def is_chat_format(cfg: JobConfig) -> bool:
 
 def load_chat_format(cfg: JobConfig, store: Store, tokenizer) -> Optional[ChatFormat]:
     """The chat template (prepare.chat_template, else the tokenizer's own) and how to read the
-    records; None for the other formats. Fails in one line, before any work, without a template."""
+    records; None for the other formats. Fails in one line, before any work, without a template.
+    Preference pairs use the template when there is one (standard pairs then render as one user turn
+    and one assistant turn) and need none for text pairs."""
+    p = cfg.prepare
+    if p.format == "preference":
+        template = read_chat_template(cfg, store, tokenizer)
+        if not template:
+            return None
+        check_chat_template(template, f"prepare.chat_template {p.chat_template}" if p.chat_template else
+                            f"the chat template of the tokenizer at {cfg.tokenizer_uri}")
+        return ChatFormat(p.format, template, tokenizer.special_tokens_map)
     if not is_chat_format(cfg):
         return None
-    p = cfg.prepare
     template = read_chat_template(cfg, store, tokenizer)
     if not template:
         raise PrepareError(f"tokenizer at {cfg.tokenizer_uri} has no chat template: set prepare.chat_template "

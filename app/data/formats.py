@@ -2,8 +2,9 @@
 
 A document is a `Document(text, prompt)`: for the "text" format `prompt` is None and the
 whole `text` is trained on; for the "instruction" format `prompt` is the instruction (masked
-out of the loss) and `text` the response. Skip reasons are short, fixed strings so the
-manifest can count them by reason.
+out of the loss) and `text` the response. A "preference" record is one pair: the chosen
+document, whose `rejected` is the rejected one, both with the same prompt. Skip reasons are
+short, fixed strings so the manifest can count them by reason.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ class Document(NamedTuple):
     # (start, end) character pairs to train and `turn_ends` where each assistant turn ends.
     spans: Optional[tuple[int, ...]] = None
     turn_ends: Optional[tuple[int, ...]] = None
+    # Preference pairs: this document is the chosen one, `rejected` the other (same prompt).
+    rejected: Optional["Document"] = None
 
 
 class Skip(NamedTuple):
@@ -71,12 +74,48 @@ def build_instruction_document(record: Any, prompt_field: str = "instruction",
     return response if isinstance(response, Skip) else Document(response, prompt)
 
 
+def build_preference_document(record: Any, prompt_field: str = "prompt", chosen_field: str = "chosen",
+                              rejected_field: str = "rejected", chat=None) -> Parsed:
+    """TRL's preference forms → the chosen Document holding the rejected one:
+    - standard, three strings: the prompt then each completion as text (masked prompt, as the
+      instruction format), or, when there is a chat template (`chat`), one user turn and one
+      assistant turn rendered by it;
+    - conversational, three lists of messages: `prompt + chosen` and `prompt + rejected` rendered by
+      the chat template; only the completion's assistant turns are trained."""
+    if not isinstance(record, dict):
+        return Skip("not an object")
+    values = [record.get(f) for f in (prompt_field, chosen_field, rejected_field)]
+    if all(isinstance(v, list) for v in values):
+        if chat is None:
+            return Skip("conversational pair without a chat template")
+        return chat.pair_document(record, prompt_field, chosen_field, rejected_field)
+    if any(isinstance(v, list) for v in values) and not any(v is None for v in values):
+        return Skip("prompt, chosen and rejected mix text and messages")
+    texts = [read_text_field(record, f) for f in (prompt_field, chosen_field, rejected_field)]
+    for text in texts:
+        if isinstance(text, Skip):
+            return text
+    prompt, chosen, rejected = texts
+    if chosen == rejected:
+        return Skip("chosen equals rejected")
+    if chat is not None:
+        return chat.pair_document({"prompt": [{"role": "user", "content": prompt}],
+                                   "chosen": [{"role": "assistant", "content": chosen}],
+                                   "rejected": [{"role": "assistant", "content": rejected}]},
+                                  "prompt", "chosen", "rejected")
+    return Document(chosen, prompt, rejected=Document(rejected, prompt))
+
+
 def build_document(record: Any, fmt: str = "text", text_field: str = "text",
-                   prompt_field: str = "instruction", response_field: str = "response", chat=None) -> Parsed:
+                   prompt_field: str = "instruction", response_field: str = "response", chat=None,
+                   chosen_field: str = "chosen", rejected_field: str = "rejected") -> Parsed:
     """A decoded record (a JSON value or a Parquet row dict) → Document or Skip. The chat formats
-    need `chat`, an app.data.chat.ChatFormat (the template and how to read the records)."""
+    need `chat`, an app.data.chat.ChatFormat (the template and how to read the records); the
+    preference format uses it when there is one."""
     if isinstance(record, Skip):
         return record
+    if fmt == "preference":
+        return build_preference_document(record, prompt_field, chosen_field, rejected_field, chat)
     if fmt in ("chat", "sharegpt"):
         if chat is None:
             raise ValueError(f"format {fmt!r} needs a ChatFormat")
@@ -85,12 +124,13 @@ def build_document(record: Any, fmt: str = "text", text_field: str = "text",
         return build_text_document(record, text_field)
     if fmt == "instruction":
         return build_instruction_document(record, prompt_field, response_field)
-    raise ValueError(f"unknown record format {fmt!r} (expected 'text', 'instruction', 'chat' or 'sharegpt')")
+    raise ValueError(f"unknown record format {fmt!r} (expected 'text', 'instruction', 'chat', 'sharegpt' or "
+                     f"'preference')")
 
 
 def parse_jsonl_block(lines: list[bytes], fmt: str = "text", text_field: str = "text",
                       prompt_field: str = "instruction", response_field: str = "response",
-                      chat=None) -> Optional[list[Parsed]]:
+                      chat=None, **pair_fields: str) -> Optional[list[Parsed]]:
     """Non-blank JSONL lines → one Document or Skip per line, as parse_jsonl_line gives them, decoded
     by Arrow's JSON reader (C++, outside the GIL: several times faster than json.loads per line).
 
@@ -98,7 +138,7 @@ def parse_jsonl_block(lines: list[bytes], fmt: str = "text", text_field: str = "
     line by line: Arrow rejects the whole block for any line that is bad JSON or not UTF-8, is not an
     object, repeats a key, or holds a used field that is not a string or null. Only the used fields
     are read (as strings), so other fields may hold anything. Conversations (lists of objects) are
-    always parsed line by line."""
+    always parsed line by line, and so are preference pairs (either form may hold messages)."""
     if fmt not in ("text", "instruction"):
         return None
     import pyarrow as pa

@@ -50,6 +50,17 @@ def shard_uris(data_uri: str, manifest: dict, split: str) -> list[str]:
     return [join(data_uri, shard["path"]) for shard in manifest["splits"][split]["shards"]]
 
 
+def split_shard_uris(data_uri: str, manifest: dict, split: str, reference: bool = False) -> list[str]:
+    """The split's shards, or with `reference` their copies that carry the precomputed reference
+    log-probs (`ref_logps`, app/data/reference.py): the same rows in the same order."""
+    if not reference:
+        return shard_uris(data_uri, manifest, split)
+    if "reference" not in manifest:
+        raise DatasetError(f"{data_uri}: no precomputed reference log-probs (run `eft prepare` with "
+                           f"training.objective: dpo)")
+    return [join(data_uri, shard["path"]) for shard in manifest["reference"]["splits"][split]["shards"]]
+
+
 # -- commit protocol ------------------------------------------------------------------------
 
 def referenced_shard_dirs(manifest: Optional[dict]) -> set[str]:

@@ -6,7 +6,9 @@ IGNORE_INDEX, so only the response and its eos are trained on.
 
 The packer concatenates documents in order and cuts `seq_len` rows; a document longer than
 a row continues in the next one (never dropped), and the final partial row is padded with
-pad ids labelled IGNORE_INDEX. Everything works on flat int32 arrays plus per-document
+pad ids labelled IGNORE_INDEX. Units that must stay in one row (a preference pair: its chosen
+document, then its rejected one) are added whole: a unit that does not fit in what is left of
+the current row starts the next one, and the rest of the current row is padding. Everything works on flat int32 arrays plus per-document
 lengths, so a whole batch of documents is handled with a few vectorised numpy calls.
 
 Each row also gets `position_ids`: 0, 1, 2, ... restarting at every document start, at the
@@ -178,6 +180,41 @@ class Packer:
             self._labels.append(np.asarray(labels, dtype=TOKEN_DTYPE))
             self._starts.append(starts)
             self._pending += len(input_ids)
+
+    def add_units(self, input_ids: np.ndarray, labels: np.ndarray, lengths: np.ndarray, docs_per_unit: int) -> None:
+        """Append units of `docs_per_unit` consecutive documents (of `lengths`), each kept whole in
+        one row: where a unit would cross into the next row, the current row is padded instead."""
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if len(lengths) % docs_per_unit:
+            raise ValueError(f"{len(lengths)} documents do not make whole units of {docs_per_unit}")
+        unit_lengths = lengths.reshape(-1, docs_per_unit).sum(axis=1)
+        if (unit_lengths > self.seq_len).any():
+            raise ValueError(f"a unit of {int(unit_lengths.max())} tokens does not fit a row of {self.seq_len}")
+        # Where each unit goes is sequential (it depends on the units before it), but only scalars:
+        # the tokens are placed below in one vectorised scatter.
+        pads = np.zeros(len(unit_lengths), dtype=np.int64)
+        fill = self._pending % self.seq_len
+        for i, n in enumerate(unit_lengths.tolist()):
+            if fill and fill + n > self.seq_len:
+                pads[i], fill = self.seq_len - fill, 0
+            fill = (fill + n) % self.seq_len
+        ends = np.cumsum(pads + unit_lengths)
+        unit_starts = ends - unit_lengths
+        total = int(ends[-1]) if len(ends) else 0
+        ids = np.full(total, self.pad_id, dtype=TOKEN_DTYPE)
+        out_labels = np.full(total, IGNORE_INDEX, dtype=TOKEN_DTYPE)
+        scatter_segments(ids, unit_starts, np.asarray(input_ids, dtype=TOKEN_DTYPE), unit_lengths)
+        scatter_segments(out_labels, unit_starts, np.asarray(labels, dtype=TOKEN_DTYPE), unit_lengths)
+        starts = np.zeros(total, dtype=bool)
+        within = np.cumsum(lengths.reshape(-1, docs_per_unit), axis=1) - lengths.reshape(-1, docs_per_unit)
+        doc_starts = (unit_starts[:, None] + within)[lengths.reshape(-1, docs_per_unit) > 0]
+        starts[doc_starts] = True
+        starts[(unit_starts - pads)[pads > 0]] = True  # the padding is a segment of its own
+        if total:
+            self._ids.append(ids)
+            self._labels.append(out_labels)
+            self._starts.append(starts)
+            self._pending += total
 
     def pop_rows(self) -> Rows:
         """Every complete row so far, as [n, seq_len] arrays; the remainder stays pending."""

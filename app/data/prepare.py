@@ -46,6 +46,7 @@ from app.data.manifest import (
     referenced_shard_dirs,
 )
 from app.data.packing import Packer, source_key, validation_mask
+from app.data.reference import add_reference, needs_reference
 from app.model.architecture import check_seq_len, load_model_config
 from app.storage import Store, StorageError, join
 
@@ -153,9 +154,15 @@ class SplitBuilder:
         self.writer = writer
         self.tokens = 0
         self.label_tokens = 0
+        self.pairs = 0
 
-    def add(self, ids: np.ndarray, labels: np.ndarray, lengths: np.ndarray) -> None:
-        self.packer.add(ids, labels, lengths)
+    def add(self, ids: np.ndarray, labels: np.ndarray, lengths: np.ndarray, docs_per_unit: int = 1) -> None:
+        """Documents of `lengths`; with docs_per_unit > 1, units of that many that stay in one row."""
+        if docs_per_unit > 1:
+            self.packer.add_units(ids, labels, lengths, docs_per_unit)
+            self.pairs += len(lengths) // docs_per_unit
+        else:
+            self.packer.add(ids, labels, lengths)
         self.tokens += len(ids)
         self.label_tokens += int(np.count_nonzero(labels != IGNORE_INDEX))
         self.writer.add(*self.packer.pop_rows())
@@ -163,8 +170,10 @@ class SplitBuilder:
     def finish(self) -> dict:
         self.writer.add(*self.packer.finish())
         self.writer.finish()
-        return {"rows": self.writer.rows, "tokens": self.tokens, "label_tokens": self.label_tokens,
-                "shards": self.writer.shards}
+        out = {"rows": self.writer.rows, "tokens": self.tokens, "label_tokens": self.label_tokens}
+        if self.pairs:
+            out["pairs"] = self.pairs
+        return {**out, "shards": self.writer.shards}
 
 
 def flatten_tokens(batch: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -202,9 +211,17 @@ class DocumentConsumer:
         self.used += int(ok.sum())
         is_val = validation_mask(self.lookup_source_keys(names)[codes], lines, self.fraction)
         ids, labels, lengths = flatten_tokens(batch)
+        pairs = pc.is_valid(batch["chosen_tokens"]).to_numpy(zero_copy_only=False) & ok
+        chosen = batch["chosen_tokens"].to_numpy(zero_copy_only=False)
         for name, doc_mask in (("train", ok & ~is_val), ("validation", ok & is_val)):
             token_mask = np.repeat(doc_mask, lengths)
-            self.splits[name].add(ids[token_mask], labels[token_mask], lengths[doc_mask])
+            if pairs.any():
+                # Each pair record is two documents, chosen then rejected, kept in one row.
+                first = chosen[doc_mask].astype(np.int64)
+                halves = np.stack([first, lengths[doc_mask] - first], axis=1).ravel()
+                self.splits[name].add(ids[token_mask], labels[token_mask], halves, docs_per_unit=2)
+            else:
+                self.splits[name].add(ids[token_mask], labels[token_mask], lengths[doc_mask])
 
     def record_bad(self, reasons: pa.ChunkedArray, names: list[str], codes: np.ndarray,
                    lines: np.ndarray, ok: np.ndarray) -> None:
@@ -328,13 +345,18 @@ def prepare_dataset(cfg: JobConfig, store: Optional[Store] = None) -> dict:
     # One writer per dataset prefix: without the lease, two prepares would each delete the
     # other's in-progress shards as unreferenced.
     with hold_prepare_lease(store, cfg.data.uri) as lease:
+        if needs_reference(cfg) and not cfg.prepare.overwrite and store.exists(manifest_uri(cfg.data.uri)):
+            # Prepared already: DPO's reference pass is what is left (or was cut off), and it resumes.
+            log.info("prepare: %s is prepared; computing its reference log-probs", cfg.data.uri)
+            return add_reference(cfg, store, lease)
         check_not_prepared(cfg, store)
         if read_committed_manifest(store, cfg.data.uri) is not None:
             check_no_live_readers(store, cfg.data.uri)
         hf_tokenizer = load_tokenizer(store, cfg.tokenizer_uri)
         if cfg.prepare.inputs is not None:
             return prepare_mixture(cfg, store, hf_tokenizer, started, lease)
-        return prepare_single(cfg, store, hf_tokenizer, started, lease)
+        manifest = prepare_single(cfg, store, hf_tokenizer, started, lease)
+        return add_reference(cfg, store, lease) if needs_reference(cfg) else manifest
 
 
 def preflight(cfg: JobConfig, store: Store) -> None:

@@ -41,6 +41,7 @@ class PreviewRecord(NamedTuple):
     overlong: Optional[str]  # "split", "truncated" or "dropped" when longer than data.seq_len
     full_ids: list[int]  # the whole document's tokens (differ from input_ids when truncated or dropped)
     full_labels: list[int]
+    chosen_tokens: Optional[int] = None  # a preference pair: input_ids is chosen + rejected, this many chosen
 
     @property
     def trained(self) -> int:
@@ -121,15 +122,49 @@ def preview_records(cfg: JobConfig, count: int, store: Optional[Store] = None):
     if any(o in ("truncated", "dropped") for o in tokenized["overlong"].to_pylist()):
         whole = TokenizeDocuments(spec, None, "split")(documents)  # the same documents, uncut
     records = [
-        PreviewRecord(source, line, reason, ids, labels, overlong, full_ids, full_labels)
-        for source, line, reason, ids, labels, overlong, full_ids, full_labels in zip(
-            *(tokenized[c].to_pylist() for c in ("source", "line", "reason", "input_ids", "labels", "overlong")),
+        PreviewRecord(source, line, reason, ids, labels, overlong, full_ids, full_labels, chosen)
+        for source, line, reason, ids, labels, overlong, chosen, full_ids, full_labels in zip(
+            *(tokenized[c].to_pylist() for c in ("source", "line", "reason", "input_ids", "labels", "overlong",
+                                                 "chosen_tokens")),
             whole["input_ids"].to_pylist(), whole["labels"].to_pylist())
     ]
     return tokenizer, records
 
 
+def first_trained(labels: list[int]) -> int:
+    return next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), len(labels))
+
+
 # -- rendering -----------------------------------------------------------------------------------
+
+def tokenizer_has_template(tokenizer, cfg: JobConfig) -> bool:
+    return bool(cfg.prepare.chat_template or tokenizer.chat_template)
+
+
+def render_pair(console, tokenizer, record: PreviewRecord) -> None:
+    """A preference pair: the prompt once (the chosen document up to its first trained token), then
+    each completion from its first trained token, with its trained spans."""
+    from rich.text import Text
+
+    cut = record.chosen_tokens
+    halves = {"chosen": (record.input_ids[:cut], record.labels[:cut]),
+              "rejected": (record.input_ids[cut:], record.labels[cut:])}
+    trained = {name: sum(label != IGNORE_INDEX for label in labels) for name, (_, labels) in halves.items()}
+    console.print(Text(f"{len(record.input_ids)} tokens in one row: chosen {cut} ({trained['chosen']} trained), "
+                       f"rejected {len(record.input_ids) - cut} ({trained['rejected']} trained)"))
+    ids, labels = halves["chosen"]
+    start = first_trained(labels)
+    text = Text("prompt: ", style="bold")
+    for piece, _ in decode_runs(tokenizer, ids[:start], labels[:start]):
+        text.append(piece, style=MASKED_STYLE)
+    console.print(text, soft_wrap=True)
+    for name, (ids, labels) in halves.items():
+        begin = first_trained(labels)
+        text = Text(f"{name}: ", style="bold")
+        for piece, is_trained in decode_runs(tokenizer, ids[begin:], labels[begin:]):
+            text.append(piece, style=TRAINED_STYLE if is_trained else MASKED_STYLE)
+        console.print(text, soft_wrap=True)
+
 
 def decode_runs(tokenizer, ids: list[int], labels: list[int]) -> list[tuple[str, bool]]:
     """The tokens decoded as the model sees them, cut into (text, trained) runs. Each run is the
@@ -156,10 +191,17 @@ def render_preview(console, tokenizer, records: list[PreviewRecord], cfg: JobCon
     console.print(Text.assemble(
         f"preview of {len(records)} record(s) of {p.input_uri} (format {p.format}, seq_len {cfg.data.seq_len}): ",
         ("trained", TRAINED_STYLE), " / ", ("masked", MASKED_STYLE), "; nothing is written"))
+    if p.format == "preference":
+        console.print(Text("pairs of plain strings are rendered by the chat template as one user turn (the prompt) "
+                           "and one assistant turn (each completion)" if tokenizer_has_template(tokenizer, cfg)
+                           else "pairs of plain strings are the prompt's text followed by each completion's"))
     for record in records:
         console.rule(Text(f"{record.source}:{record.line}"))
         if record.reason is not None:
             console.print(Text(f"skipped: {record.reason}"))
+            continue
+        if record.chosen_tokens is not None:
+            render_pair(console, tokenizer, record)
             continue
         counts = f"{len(record.labels)} tokens: {record.trained} trained, {record.masked} masked"
         if record.overlong == "dropped":

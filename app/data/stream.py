@@ -149,15 +149,17 @@ def document_isolation(cfg, manifest: dict, note: bool = True) -> bool:
     return False
 
 
-def read_columns(position_ids: bool) -> list[str]:
-    return ["row_id", "input_ids", "labels"] + (["position_ids"] if position_ids else [])
+def read_columns(position_ids: bool, ref_logps: bool = False) -> list[str]:
+    return (["row_id", "input_ids", "labels"] + (["position_ids"] if position_ids else [])
+            + (["ref_logps"] if ref_logps else []))
 
 
 def iter_rank_rows(order: DataOrder, shard_uris: list[str], filesystem, rank_slice: RankSlice,
-                   start: int, prefetch_batches: int = 2, position_ids: bool = False,
-                   ) -> Iterator[tuple[int, np.ndarray, np.ndarray, Optional[np.ndarray]]]:
+                   start: int, prefetch_batches: int = 2, position_ids: bool = False, ref_logps: bool = False,
+                   ) -> Iterator[tuple]:
     """Yield (row_id, input_ids, labels, position_ids or None) for this worker, from global position
-    `start` on, forever. `position_ids`: read that column (the shards must have it)."""
+    `start` on, forever. `position_ids`: read that column (the shards must have it). `ref_logps`:
+    read the precomputed reference log-probs too (one per document of the row), as a fifth item."""
     import ray
 
     configure_data_context()
@@ -174,18 +176,19 @@ def iter_rank_rows(order: DataOrder, shard_uris: list[str], filesystem, rank_sli
         paths = [shard_uris[s] for s in shard_seq[first:]]
         # Few, light read tasks per worker: every worker runs its own pipeline, and a burst of
         # task processes costs more than it gains on the CPUs the trainer leaves free.
-        ds = ray.data.read_parquet(paths, filesystem=filesystem, columns=read_columns(position_ids),
+        ds = ray.data.read_parquet(paths, filesystem=filesystem, columns=read_columns(position_ids, ref_logps),
                                    num_cpus=READ_CPUS, concurrency=READ_CONCURRENCY)
         ds = ds.map_batches(_KeepRankRows(order, epoch, rank_slice, start), batch_format="numpy",
                             batch_size=None, num_cpus=READ_CPUS,
                             compute=ray.data.TaskPoolStrategy(size=READ_CONCURRENCY))
-        buffered: dict[int, tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]] = {}
+        buffered: dict[int, tuple] = {}
         nxt = 0
         for batch in ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=prefetch_batches):
             ids, inputs, labels = batch["row_id"], _stack(batch["input_ids"]), _stack(batch["labels"])
             positions = _stack(batch["position_ids"]) if position_ids else None
             for i, rid in enumerate(ids.tolist()):
-                buffered[rid] = (inputs[i], labels[i], None if positions is None else positions[i])
+                row = (inputs[i], labels[i], None if positions is None else positions[i])
+                buffered[rid] = row + (np.asarray(batch["ref_logps"][i], dtype=np.float32),) if ref_logps else row
             while nxt < len(expected) and int(expected[nxt]) in buffered:
                 rid = int(expected[nxt])
                 yield (rid, *buffered.pop(rid))
@@ -199,8 +202,9 @@ def iter_rank_rows(order: DataOrder, shard_uris: list[str], filesystem, rank_sli
 def iter_step_batches(rows: Iterator[tuple], rows_per_step: int, micro_batch: int, accum: int,
                       ) -> Iterator[list[tuple[np.ndarray, np.ndarray, np.ndarray, Optional[np.ndarray]]]]:
     """One optimizer step's micro-batches at a time: `accum` × (row_ids, input_ids [B, T],
-    labels [B, T], position_ids [B, T] or None). Slots past this rank's `rows_per_step` rows are
-    padding: row_id -1 and no labels, so they add nothing to the loss or the gradient."""
+    labels [B, T], position_ids [B, T] or None[, the rows' reference log-probs end to end]). Slots
+    past this rank's `rows_per_step` rows are padding: row_id -1 and no labels (so no pairs), so
+    they add nothing to the loss or the gradient."""
     slots = accum * micro_batch
     while True:
         chunk = [next(rows) for _ in range(rows_per_step)]
@@ -210,9 +214,13 @@ def iter_step_batches(rows: Iterator[tuple], rows_per_step: int, micro_batch: in
         labels = np.stack([c[2] for c in chunk] + [np.full_like(chunk[0][2], IGNORE)] * extra)
         has_positions = len(chunk[0]) > 3 and chunk[0][3] is not None
         positions = np.stack([c[3] for c in chunk] + [chunk[0][3]] * extra) if has_positions else None
-        yield [(ids[i:i + micro_batch], inputs[i:i + micro_batch], labels[i:i + micro_batch],
-                None if positions is None else positions[i:i + micro_batch])
-               for i in range(0, slots, micro_batch)]
+        micro = [(ids[i:i + micro_batch], inputs[i:i + micro_batch], labels[i:i + micro_batch],
+                  None if positions is None else positions[i:i + micro_batch])
+                 for i in range(0, slots, micro_batch)]
+        if len(chunk[0]) > 4:
+            refs = [c[4] for c in chunk] + [np.zeros(0, np.float32)] * extra
+            micro = [m + (np.concatenate(refs[i:i + micro_batch]),) for m, i in zip(micro, range(0, slots, micro_batch))]
+        yield micro
 
 
 def prefetch_in_background(iterator: Iterator, depth: int) -> Iterator:
@@ -259,12 +267,13 @@ def configure_data_context() -> None:
 
 
 def load_split_rows(shard_uris: list[str], filesystem, limit: Optional[int] = None,
-                    position_ids: bool = False) -> dict[str, np.ndarray]:
-    """A small split (validation) read whole, in row_id order (with position_ids if asked)."""
+                    position_ids: bool = False, ref_logps: bool = False) -> dict[str, np.ndarray]:
+    """A small split (validation) read whole, in row_id order (with position_ids and the reference
+    log-probs if asked: those as a list of per-row arrays)."""
     import ray
 
     configure_data_context()
-    columns = read_columns(position_ids)
+    columns = read_columns(position_ids, ref_logps)
     if not shard_uris:
         return {"row_id": np.zeros(0, np.int64), **{c: np.zeros((0, 0), np.int32) for c in columns[1:]}}
     ds = ray.data.read_parquet(shard_uris, filesystem=filesystem, columns=columns,
@@ -274,5 +283,9 @@ def load_split_rows(shard_uris: list[str], filesystem, limit: Optional[int] = No
     parts = list(ds.iter_batches(batch_size=None, batch_format="numpy"))
     row_id = np.concatenate([p["row_id"] for p in parts])
     order = np.argsort(row_id, kind="stable")
-    return {"row_id": row_id[order],
-            **{c: np.concatenate([_stack(p[c]) for p in parts])[order] for c in columns[1:]}}
+    out = {"row_id": row_id[order],
+           **{c: np.concatenate([_stack(p[c]) for p in parts])[order] for c in columns[1:] if c != "ref_logps"}}
+    if ref_logps:
+        refs = [np.asarray(r, dtype=np.float32) for p in parts for r in p["ref_logps"]]
+        out["ref_logps"] = [refs[i] for i in order]
+    return out

@@ -7,6 +7,9 @@ with periodic checkpoints → export (adapter + merged, chat template included) 
 asked of the base and of the exported model through its own chat template → summary.
 
 `--config jobs/configs/tiny-cpu.yaml`: the text job on a random-init base, ending in a text sample.
+`--config jobs/configs/tiny-dpo.yaml`: DPO on preference pairs about the same docs (the chosen answer
+the topic's own, the rejected one another topic's or cut short), from reference log-probs computed
+once by the prepare step, ending in the reward margin and accuracy.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ CONFIGS = Path(__file__).resolve().parents[2] / "jobs" / "configs"
 DEFAULT_CONFIG = CONFIGS / "tiny-chat.yaml"
 TEXT_CONFIG = CONFIGS / "tiny-cpu.yaml"
 QUESTION = 'What is the "assert" statement?'
-CHAT_FORMATS = ("chat", "sharegpt")
+# Jobs on the pre-trained chat base (a preference job tunes it further), shown a reply before and after.
+CHAT_FORMATS = ("chat", "sharegpt", "preference")
+DPO_CONFIG = CONFIGS / "tiny-dpo.yaml"
 
 
 class DemoBucketError(RuntimeError):
@@ -76,16 +81,21 @@ def ensure_inputs(cfg, store: Store, cache_dir: Optional[Path] = None) -> Option
     (prepare.format chat) gets conversations and the pre-trained chat base (built once per bucket;
     once per `cache_dir` when given); a text job the documents and a random-init base. Returns the
     pre-train's report for a chat job."""
-    from app.dev.tiny import build_chat_corpus, build_corpus, save_pretrained_base, save_tiny_base, write_jsonl
+    from app.dev.tiny import (
+        build_chat_corpus, build_corpus, build_preference_corpus, save_pretrained_base, save_tiny_base, write_jsonl,
+    )
 
     texts = build_corpus()
-    chat = cfg.prepare.format == "chat"
+    fmt = cfg.prepare.format
+    chat = fmt in CHAT_FORMATS
     if not store.exists(cfg.prepare.input_uri):
-        records = build_chat_corpus() if chat else [{"text": t} for t in texts]
+        records = (build_chat_corpus() if fmt == "chat" else build_preference_corpus() if fmt == "preference"
+                   else [{"text": t} for t in texts])
         with tempfile.TemporaryDirectory() as tmp:
             path = write_jsonl(records, Path(tmp) / "corpus.jsonl")
             store.write_bytes(cfg.prepare.input_uri, path.read_bytes())
-        log.info("wrote %d %s to %s", len(records), "conversations" if chat else "documents", cfg.prepare.input_uri)
+        kind = {"chat": "conversations", "preference": "preference pairs"}.get(fmt, "documents")
+        log.info("wrote %d %s to %s", len(records), kind, cfg.prepare.input_uri)
     if chat:
         report = save_pretrained_base(store, cfg.model.uri, texts=texts, cache_dir=cache_dir, log=log.info)
         log.info("pre-trained chat base at %s (%s): held-out loss %.2f → %.2f in %.0f s", cfg.model.uri,
@@ -104,7 +114,7 @@ def cache_dir_for(state_dir: Path) -> Path:
 
 def seed_local_stack(store: Store, cache_dir: Optional[Path] = None) -> None:
     """What `eft local up` seeds: the inputs of the demo's chat job and of the text job."""
-    for path in (DEFAULT_CONFIG, TEXT_CONFIG):
+    for path in (DEFAULT_CONFIG, TEXT_CONFIG, DPO_CONFIG):
         cfg = load_config(path)
         check_demo_bucket(cfg, store)
         ensure_inputs(cfg, store, cache_dir=cache_dir)
@@ -155,6 +165,7 @@ def run_demo(config_path: Optional[str] = None, state_dir: Path = Path(".eft"), 
              keep_stack: bool = False, allow_remote_bucket: bool = False) -> int:
     from app.data.manifest import read_committed_manifest
     from app.data.prepare import prepare_dataset
+    from app.data.reference import needs_reference
     from app.export import export_run
     from app.report import render_summary
     from app.train.launch import run_training
@@ -176,7 +187,8 @@ def run_demo(config_path: Optional[str] = None, state_dir: Path = Path(".eft"), 
         pretrained = ensure_inputs(cfg, store, cache_dir=cache_dir_for(state_dir))
         if chat:
             preview_one(cfg, store)
-        if read_committed_manifest(store, cfg.data.uri) is None:
+        # A DPO dataset may lack its reference log-probs yet: prepare computes (or resumes) just those.
+        if read_committed_manifest(store, cfg.data.uri) is None or needs_reference(cfg):
             manifest = prepare_dataset(cfg, store)
             log.info("prepared %d train rows", manifest["splits"]["train"]["rows"])
         before = chat_reply(cfg.model.uri, store) if chat else None
@@ -196,6 +208,12 @@ def run_demo(config_path: Optional[str] = None, state_dir: Path = Path(".eft"), 
             print(f"sample:   {generate_sample(exported['merged_uri'], store)!r}")
         first, final = summary["first_train_loss"], summary["final_train_loss"]
         print(f"train loss {first:.4f} → {final:.4f} over {summary['steps']} steps")
+        if cfg.training.objective != "sft":
+            from app.observe.metrics import load_metrics
+
+            last = load_metrics(store, cfg.run_uri)[-1]
+            print(f"rewards:  margin {last['reward_margin']:.3f}, chosen preferred in {last['reward_accuracy']:.0%} "
+                  f"of the last step's pairs")
         return 0 if final < first else 1
     finally:
         if started_stack and not keep_stack:

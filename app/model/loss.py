@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from app.batch import IGNORE_INDEX as IGNORE
+from app.model.preference import chunked_token_logps, token_logps_from_logits
 
 # Model config attributes under which the forward transforms the output layer's result before
 # returning it (Gemma's soft-capping, Cohere's and Granite's scaling): a loss computed inside the
@@ -92,6 +93,7 @@ def apply_loss(model: nn.Module, mode: str, chunk_tokens: int = 1024) -> None:
     head.eft_loss = mode
     head.eft_chunk_tokens = chunk_tokens
     head.eft_labels = None
+    head.eft_per_token = False
     head.forward = types.MethodType(loss_forward, head)
 
 
@@ -103,8 +105,12 @@ def loss_forward(self: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
     # Position t predicts label t+1; the last position predicts nothing. Shifting the targets rather
     # than slicing the hidden states keeps them contiguous: no copy, and grad has their shape.
     targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE).reshape(-1)
-    flat = hidden.reshape(-1, hidden.shape[-1])
     dtype = compute_dtype(hidden, self.weight)
+    if self.eft_per_token:
+        # The preference objectives: each position's log-prob of its label, chunk by chunk (liger's
+        # kernel gives only the summed loss, so `liger` takes this path too).
+        return chunked_token_logps(hidden, self.weight, labels, self.eft_chunk_tokens, dtype)
+    flat = hidden.reshape(-1, hidden.shape[-1])
     if self.eft_loss == "liger":
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
@@ -199,12 +205,12 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
 
 @contextlib.contextmanager
-def handing_labels(head: nn.Module, labels: torch.Tensor):
-    head.eft_labels = labels
+def handing_labels(head: nn.Module, labels: torch.Tensor, per_token: bool = False):
+    head.eft_labels, head.eft_per_token = labels, per_token
     try:
         yield
     finally:
-        head.eft_labels = None
+        head.eft_labels, head.eft_per_token = None, False
 
 
 def loss_sum(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, autocast_dtype,
@@ -228,3 +234,23 @@ def loss_sum(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, au
         raise RuntimeError(f"training.loss {head.eft_loss}: the model's forward did not return the output "
                            f"layer's loss as is; set training.loss: full")
     return loss
+
+
+def token_logps(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, autocast_dtype,
+                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[batch, seq] fp32 log-prob of each label given the tokens before it (0 where the label is
+    IGNORE), by the path `apply_loss` set up: from the full logits (`full`), else chunk by chunk in
+    the output layer, so the [tokens, vocab] logits never exist at once. The preference objectives'
+    per-sequence sums start here."""
+    kwargs = {} if position_ids is None else {"position_ids": position_ids}
+    head = find_output_layer(model)
+    with torch.autocast(input_ids.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        if getattr(head, "eft_loss", "full") == "full":
+            logits = model(input_ids=input_ids, use_cache=False, **kwargs).logits
+            return token_logps_from_logits(logits, labels)
+        with handing_labels(head, labels, per_token=True):
+            logps = model(input_ids=input_ids, use_cache=False, **kwargs).logits
+    if logps.shape != labels.shape:
+        raise RuntimeError(f"training.loss {head.eft_loss}: the model's forward did not return the output "
+                           f"layer's log-probs as they are; set training.loss: full")
+    return logps

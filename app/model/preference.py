@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple, Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -111,6 +112,24 @@ class ChunkedTokenLogps(torch.autograd.Function):
 
 
 # -- per-sequence sums ---------------------------------------------------------------------------
+
+def pair_segments(labels: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Packed preference rows ([batch, seq] labels and position_ids) → (`segments`, pairs per row).
+
+    A row's documents are numbered by their starts (position 0); its labelled documents are its
+    pairs' halves in order, chosen then rejected, and anything after them is padding. Sequence
+    numbers run on across the rows of the batch."""
+    doc = np.cumsum(positions == 0, axis=1) - 1
+    labelled = labels != IGNORE
+    halves = np.where(labelled, doc, -1).max(axis=1, initial=-1) + 1
+    if (halves % 2).any():
+        row = int(np.flatnonzero(halves % 2)[0])
+        raise ValueError(f"row {row} of the batch holds {int(halves[row])} labelled documents: not whole "
+                         f"preference pairs (was the dataset prepared with prepare.format: preference?)")
+    pairs = halves // 2
+    offsets = 2 * (np.cumsum(pairs) - pairs)
+    return np.where(labelled, doc + offsets[:, None], -1).astype(np.int64), pairs
+
 
 def sequence_logps(token_logps: torch.Tensor, segments: torch.Tensor, num_sequences: int) -> torch.Tensor:
     """[num_sequences]: each sequence's summed log-prob over its positions in `segments`."""

@@ -271,7 +271,9 @@ def format_duration(seconds: float) -> str:
 def format_progress(r: dict, total: int) -> str:
     val = f" val {r['val_loss']:.4f}" if "val_loss" in r else ""
     mfu = f" mfu {r['mfu']:.1%}" if r.get("mfu") is not None else ""
-    return (f"step {r['step']}/{total} loss {r['loss']:.4f}{val} lr {r['lr']:.2e} gnorm {r['grad_norm']:.3f} "
+    # The preference objectives' implicit rewards: their margin and how often the chosen one wins.
+    pairs = (f" margin {r['reward_margin']:.3f} acc {r['reward_accuracy']:.2f}" if "reward_margin" in r else "")
+    return (f"step {r['step']}/{total} loss {r['loss']:.4f}{pairs}{val} lr {r['lr']:.2e} gnorm {r['grad_norm']:.3f} "
             f"tok/s {r['tokens_per_s']:,.0f}{mfu} step {r['step_time_s']:.2f}s data {r['data_wait_s']:.3f}s "
             f"world {r['world_size']} eta {format_duration(r['eta_s'])}")
 

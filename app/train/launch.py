@@ -18,6 +18,7 @@ from app.config import JobConfig, dump_config
 from app.data.lease import check_not_being_prepared, hold_reader_lease
 from app.lease import Fence, LeaseError, build_run_lease
 from app.data.manifest import load_manifest
+from app.data.reference import check_reference
 from app.data.stream import document_isolation
 from app.elastic import checkpoint as ckpt
 from app.elastic.controller import NodeWatcher, build_controller_callbacks
@@ -45,6 +46,8 @@ def preflight(cfg: JobConfig, store: Store) -> dict:
         raise ValueError(f"data.seq_len {cfg.data.seq_len} != seq_len {manifest['seq_len']} of the dataset "
                          f"at {cfg.data.uri}")
     document_isolation(cfg, manifest)  # the note on an old dataset, here as well as on rank 0
+    check_objective_fits(cfg, manifest)
+    check_reference(cfg, store, manifest)
     train_rows = manifest["splits"]["train"]["rows"]
     if train_rows < cfg.training.global_batch_size:
         raise ValueError(f"training.global_batch_size {cfg.training.global_batch_size} exceeds the "
@@ -59,6 +62,18 @@ def preflight(cfg: JobConfig, store: Store) -> dict:
         check_lora_targets(cfg.lora, model_config, cfg.model.uri)
     check_loss_setup(cfg, model_config)
     return manifest
+
+
+def check_objective_fits(cfg: JobConfig, manifest: dict) -> None:
+    """A preference objective trains on a dataset of pairs, and SFT on one that is not."""
+    fmt = manifest["source"].get("format")
+    objective = cfg.training.objective
+    if objective != "sft" and fmt != "preference":
+        raise ValueError(f"training.objective {objective}: the dataset at {cfg.data.uri} was prepared as {fmt!r}, "
+                         f"not preference pairs (prepare it with prepare.format: preference)")
+    if objective == "sft" and fmt == "preference":
+        raise ValueError(f"training.objective sft: the dataset at {cfg.data.uri} holds preference pairs (set "
+                         f"training.objective to dpo, simpo or orpo)")
 
 
 def build_trainer(cfg: JobConfig, store: Store, train_fn=None, fence: Fence | None = None):

@@ -7,8 +7,9 @@ state is a few named parts: data, model, recorders, watchers and progress.
 The optimizer always sees `training.global_batch_size` sequences per step, whatever the
 world size: each worker takes its G/W rows per step (floor or ceil, with
 `training.pad_uneven_batches`) in `accum` micro-batches, the same number on every rank,
-and the loss is normalized by the label tokens of the whole global batch, so the gradient of
-step k is the same function of the same rows at every world size.
+and the loss is normalized over the whole global batch (its label tokens for SFT, its pairs for
+the preference objectives: app/train/objective.py), so the gradient of step k is the same function
+of the same rows at every world size.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch.distributed as dist
 
 from app.batch import IGNORE_INDEX as IGNORE, BatchPlan
 from app.config import JobConfig
-from app.data.manifest import load_manifest, shard_uris
+from app.data.manifest import load_manifest, split_shard_uris
 from app.data.stream import (DataOrder, RankSlice, document_isolation, iter_rank_rows, iter_step_batches,
                              load_split_rows, prefetch_in_background)
 from app.elastic import checkpoint as ckpt
@@ -36,7 +37,7 @@ from app.elastic.resume import build_lineage
 from app.lease import Fence
 from app.model.build import build_model, count_parameters, resolve_precision, trainable_parameters
 from app.model.dropout import apply_row_dropout
-from app.model.loss import apply_loss, loss_sum
+from app.model.loss import apply_loss
 from app.model.mfu import mfu, model_flops_per_token, peak_flops
 from app.model.sharding import all_reduce_gradients, forward_autocast_dtype, replicated_parameters
 from app.observe import records
@@ -45,6 +46,7 @@ from app.observe.nccl import NcclProbe
 from app.observe.records import record_weights_loaded
 from app.observe.sinks import MlflowSink, TensorBoardSink, flatten
 from app.storage import Store
+from app.train.objective import build_objective, summarize
 
 log = logging.getLogger("eft.train")
 
@@ -78,14 +80,6 @@ def setup_worker_logging(rank: int) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def as_positions(positions: Optional[np.ndarray], device) -> Optional[torch.Tensor]:
-    return None if positions is None else torch.as_tensor(positions, dtype=torch.long, device=device)
-
-
-def label_tokens(labels: np.ndarray) -> int:
-    return int((labels[:, 1:] != IGNORE).sum())
-
-
 def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
     dist.all_reduce(value, op=dist.ReduceOp.SUM)
     return value
@@ -106,9 +100,11 @@ def to_scalar(t: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def evaluate(model, val: dict, rank: int, world: int, micro_batch: int, device, autocast_dtype) -> Optional[float]:
-    """Validation loss over the held-out rows; every rank runs the same number of forwards
-    (FSDP2 all-gathers in each), padding its share with rows that carry no labels."""
+def evaluate(model, objective, val: dict, rank: int, world: int, micro_batch: int, device,
+             autocast_dtype) -> Optional[dict]:
+    """The objective's validation loss and metrics (`val_loss`, `val_<metric>`) over the held-out
+    rows; every rank runs the same number of forwards (FSDP2 all-gathers in each), padding its share
+    with rows that carry no labels."""
     n = len(val["row_id"])
     if n == 0:
         return None
@@ -124,16 +120,26 @@ def evaluate(model, val: dict, rank: int, world: int, micro_batch: int, device, 
         labels = np.concatenate([labels, np.full((pad, labels.shape[1]), IGNORE, labels.dtype)])
         if positions is not None:
             positions = np.concatenate([positions, np.repeat(val["position_ids"][:1], pad, 0)])
-    total = torch.zeros(2, dtype=torch.float64, device=device)
+    refs = [val["ref_logps"][j] for j in idx] if "ref_logps" in val else None
+    k = len(objective.metric_names)
+    total = torch.zeros(2 + k, dtype=torch.float64, device=device)
     for i in range(0, per_rank, micro_batch):
-        x = torch.as_tensor(inputs[i:i + micro_batch], dtype=torch.long, device=device)
-        y = torch.as_tensor(labels[i:i + micro_batch], dtype=torch.long, device=device)
-        p = as_positions(None if positions is None else positions[i:i + micro_batch], device)
-        total[0] += loss_sum(model, x, y, autocast_dtype, p).double()
-        total[1] += float(label_tokens(labels[i:i + micro_batch]))
+        p = None if positions is None else positions[i:i + micro_batch]
+        ref = None if refs is None else flat_refs(refs[i:i + micro_batch])
+        loss, metrics = objective.forward(model, inputs[i:i + micro_batch], labels[i:i + micro_batch], p, ref,
+                                          device, autocast_dtype)
+        total[0] += loss.double()
+        total[1] += float(objective.units(labels[i:i + micro_batch], p))
+        total[2:] += metrics
     all_reduce_sum(total)
     model.train()
-    return float(total[0] / total[1].clamp(min=1))
+    values = total.tolist()
+    return summarize(objective, values[0], values[1], values[2:], prefix="val_")
+
+
+def flat_refs(rows: list) -> np.ndarray:
+    """Rows' precomputed reference log-probs (one per document), end to end in row order."""
+    return np.concatenate([np.asarray(r, dtype=np.float32) for r in rows]) if rows else np.zeros(0, np.float32)
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -179,6 +185,7 @@ class ModelParts:
     params: list
     replicated: list  # trainable parameters the loop reduces itself (LoRA adapters under FSDP2)
     optimizer: torch.optim.Optimizer
+    objective: object  # app/train/objective.py: what a micro-batch's loss is, and what it is divided by
     n_trainable: int
     n_total: int
 
@@ -208,13 +215,14 @@ class Watchers:
 
 @dataclass
 class Progress:
-    """Where the loop is, and the loss summed since the last logging step (on device: no host
-    sync until it is logged)."""
+    """Where the loop is, and the loss, its units (label tokens or pairs) and the objective's
+    metric sums since the last logging step (on device: no host sync until it is logged)."""
 
     step: int = 0
     rows_consumed: int = 0
     loss_sum: Optional[torch.Tensor] = None
-    label_tokens: Optional[torch.Tensor] = None
+    units: Optional[torch.Tensor] = None
+    metric_sums: Optional[torch.Tensor] = None
     nonfinite: Optional[torch.Tensor] = None
 
 
@@ -285,11 +293,14 @@ def setup_data(cfg: JobConfig, store: Store, rank: int, world: int) -> DataParts
     isolate = document_isolation(cfg, manifest, note=rank == 0)
     order = DataOrder.from_manifest(manifest, t.seed)
     data_fs, _ = store.resolve(cfg.data.uri)
-    train_shards = [store.resolve(u)[1] for u in shard_uris(cfg.data.uri, manifest, "train")]
+    # DPO's precomputed reference log-probs travel in a copy of the shards that carries them.
+    reference = cfg.reference_mode == "precomputed"
+    train_shards = [store.resolve(u)[1] for u in split_shard_uris(cfg.data.uri, manifest, "train", reference)]
     checkpoint = ckpt.select_resume_checkpoint(ray.train.get_checkpoint(), store, cfg.run_uri, rank)
     start_rows = int(ckpt.peek_train_state(checkpoint).get("rows_consumed", 0))
     my_slice = RankSlice(rank, world, t.global_batch_size, origin=start_rows)
-    rows = iter_rank_rows(order, train_shards, data_fs, my_slice, start=start_rows, position_ids=isolate)
+    rows = iter_rank_rows(order, train_shards, data_fs, my_slice, start=start_rows, position_ids=isolate,
+                          ref_logps=reference)
     batches = prefetch_in_background(iter_step_batches(rows, my_slice.rows_per_step, t.micro_batch_size,
                                                        plan.accum), depth=2)
     return DataParts(manifest=manifest, plan=plan, lineage=build_lineage(cfg, manifest), train_rows=order.num_rows,
@@ -301,8 +312,10 @@ def load_validation_rows(cfg: JobConfig, store: Store, manifest: dict, isolate: 
     """The held-out rows evaluated at every eval step (at most eval_max_batches global batches)."""
     t = cfg.training
     data_fs, _ = store.resolve(cfg.data.uri)
-    val_shards = [store.resolve(u)[1] for u in shard_uris(cfg.data.uri, manifest, "validation")]
-    return load_split_rows(val_shards, data_fs, limit=t.eval_max_batches * t.global_batch_size, position_ids=isolate)
+    reference = cfg.reference_mode == "precomputed"
+    val_shards = [store.resolve(u)[1] for u in split_shard_uris(cfg.data.uri, manifest, "validation", reference)]
+    return load_split_rows(val_shards, data_fs, limit=t.eval_max_batches * t.global_batch_size, position_ids=isolate,
+                           ref_logps=reference)
 
 
 def setup_model(cfg: JobConfig, model_store: Store, device: torch.device, rank: int, world: int) -> ModelParts:
@@ -317,8 +330,8 @@ def setup_model(cfg: JobConfig, model_store: Store, device: torch.device, rank: 
     n_trainable, n_total = count_parameters(model)
     return ModelParts(module=model, row_seeds=row_seeds,
                       autocast_dtype=forward_autocast_dtype(model, precision.param_dtype), params=params,
-                      replicated=replicated_parameters(model), optimizer=optimizer, n_trainable=n_trainable,
-                      n_total=n_total)
+                      replicated=replicated_parameters(model), optimizer=optimizer, objective=build_objective(cfg),
+                      n_trainable=n_trainable, n_total=n_total)
 
 
 def resume(w: Worker, config: dict) -> None:
@@ -366,7 +379,8 @@ def resume(w: Worker, config: dict) -> None:
                                                 m.n_trainable)
     rec.device_peak = peak_flops(w.device)
     w.progress.loss_sum = torch.zeros((), dtype=torch.float64, device=w.device)
-    w.progress.label_tokens = torch.zeros((), dtype=torch.float64, device=w.device)
+    w.progress.units = torch.zeros((), dtype=torch.float64, device=w.device)
+    w.progress.metric_sums = torch.zeros(len(m.objective.metric_names), dtype=torch.float64, device=w.device)
     w.progress.nonfinite = torch.zeros((), dtype=torch.bool, device=w.device)
 
 
@@ -385,17 +399,18 @@ def train_step(w: Worker) -> tuple[list, float, torch.Tensor]:
         micro = next(w.data.batches)
     w.recorders.heartbeat.mark_first_batch()
     with timer.phase("compute"):
-        global_tokens = all_reduce_sum(torch.tensor(float(sum(label_tokens(mb[2]) for mb in micro)),
-                                                    dtype=torch.float64, device=w.device))
-        p.label_tokens += global_tokens
-        scale = w.world / global_tokens.clamp(min=1)
-        for i, (row_ids, inputs, labels, positions) in enumerate(micro):
-            x = torch.as_tensor(inputs, dtype=torch.long, device=w.device)
-            y = torch.as_tensor(labels, dtype=torch.long, device=w.device)
+        # The units (label tokens or pairs) come from the host arrays: one all-reduce, no sync.
+        global_units = all_reduce_sum(torch.tensor(float(sum(m.objective.units(mb[2], mb[3]) for mb in micro)),
+                                                   dtype=torch.float64, device=w.device))
+        p.units += global_units
+        scale = w.world / global_units.clamp(min=1)
+        for i, (row_ids, inputs, labels, positions, *ref) in enumerate(micro):
             with grad_sync_context(m.module, enabled=i == w.data.plan.accum - 1), m.row_seeds.rows(row_ids, p.step):
-                loss = loss_sum(m.module, x, y, m.autocast_dtype, as_positions(positions, w.device))
+                loss, metrics = m.objective.forward(m.module, inputs, labels, positions, ref[0] if ref else None,
+                                                    w.device, m.autocast_dtype)
                 (loss * scale).backward()
             p.loss_sum += loss.detach().double()
+            p.metric_sums += metrics
         all_reduce_gradients(m.replicated, w.world)
     with timer.phase("optimizer"):
         grad_norm = torch.nn.utils.clip_grad_norm_(m.params, t.grad_clip_norm or float("inf"))
@@ -414,10 +429,12 @@ def log_step(w: Worker, micro: list, lr: float, grad_norm: torch.Tensor) -> None
     step = p.step
     is_eval = bool(t.eval_every_steps) and (step % t.eval_every_steps == 0 or step == d.steps_total)
     if is_eval or step % t.log_every_steps == 0 or step == d.steps_total:
-        train_loss = float(all_reduce_sum(p.loss_sum.clone()) / p.label_tokens.clamp(min=1))
+        sums = all_reduce_sum(torch.cat([p.loss_sum.reshape(1), p.metric_sums])).tolist()
+        values = summarize(m.objective, sums[0], float(p.units), sums[1:])
+        train_loss = values["loss"]
         if bool(p.nonfinite) or not math.isfinite(train_loss):
             raise FloatingPointError(f"non-finite loss {train_loss} at step {step}; stopping")
-        record = {"step": step, "loss": train_loss, "lr": lr, "grad_norm": to_scalar(grad_norm),
+        record = {"step": step, **values, "lr": lr, "grad_norm": to_scalar(grad_norm),
                   "world_size": w.world, "rows_consumed": p.rows_consumed, "epoch": p.rows_consumed / d.train_rows,
                   **rec.timer.end_step(step, rec.tokens_per_step), **peak_memory(w.device)}
         record["tokens_per_s_per_worker"] = record["tokens_per_s"] / w.world
@@ -425,11 +442,15 @@ def log_step(w: Worker, micro: list, lr: float, grad_norm: torch.Tensor) -> None
         if t.trace_rows:
             record["row_ids"] = gather_row_ids(micro, w.world, w.device)
         p.loss_sum.zero_()
-        p.label_tokens.zero_()
+        p.units.zero_()
+        p.metric_sums.zero_()
         if is_eval:
-            val_loss = evaluate(m.module, d.val, w.rank, w.world, t.micro_batch_size, w.device, m.autocast_dtype)
-            if val_loss is not None:
-                record["val_loss"], record["val_ppl"] = val_loss, math.exp(min(val_loss, 50.0))
+            val = evaluate(m.module, m.objective, d.val, w.rank, w.world, t.micro_batch_size, w.device,
+                           m.autocast_dtype)
+            if val is not None:
+                record.update(val)
+                if t.objective == "sft":
+                    record["val_ppl"] = math.exp(min(val["val_loss"], 50.0))
         rec.metrics.append(record)
         for sink in rec.sinks:
             sink.log(record)
