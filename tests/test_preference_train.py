@@ -81,6 +81,33 @@ def test_prepare_scores_every_shard_with_the_reference_model_once(prepared):
     assert prepare_dataset(cfg, Store())["reference"] == reference
 
 
+def test_a_cut_off_reference_pass_resumes_scoring_only_what_is_missing(prepared):
+    """A pass pre-empted after some shards: the shards written stay, the next `eft prepare` scores
+    only the others and commits the same log-probs."""
+    from app.data.manifest import commit_manifest, load_manifest
+    from app.data.prepare import prepare_dataset
+
+    cfg, manifest = prepared
+    store = Store()
+    targets = [shard["path"] for part in manifest["reference"]["splits"].values() for shard in part["shards"]]
+    before = {path: store.read_bytes(f"{DATA}/{path}") for path in targets}
+    # As a pass cut off after its first shard leaves it: no reference entry, one shard missing.
+    commit_manifest(store, DATA, {k: v for k, v in manifest.items() if k != "reference"})
+    store.delete_prefix(f"{DATA}/{targets[-1]}")
+    resumed = prepare_dataset(cfg, store)["reference"]
+    assert resumed["stats"]["shards_scored"] == 1 and resumed["stats"]["shards"] == len(targets) > 1
+    assert resumed["splits"] == manifest["reference"]["splits"]
+    for path in targets:
+        import io
+
+        import pyarrow.parquet as pq
+
+        got = pq.read_table(io.BytesIO(store.read_bytes(f"{DATA}/{path}")))["ref_logps"].to_pylist()
+        want = pq.read_table(io.BytesIO(before[path]))["ref_logps"].to_pylist()
+        assert got == want, path
+    assert load_manifest(store, DATA)["reference"]["key"] == manifest["reference"]["key"]
+
+
 def test_dpo_starts_at_ln2_and_learns_to_prefer_the_chosen_answer(dpo_run):
     _, summary, metrics = dpo_run
     assert summary["status"] == "succeeded" and [m["step"] for m in metrics] == list(range(1, 41))

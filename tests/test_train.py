@@ -674,3 +674,36 @@ def test_a_paused_driver_that_lost_its_run_commits_nothing_more(straight_run, tm
     assert step_rows(metrics[:len(reference)]) == step_rows(reference)
     for got, want in zip(metrics, reference):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-9, abs=1e-9), got["step"]
+
+
+def test_sft_then_dpo_from_the_merged_export(straight_run, tmp_path):
+    """The usual pipeline: the SFT run's merged export is the DPO run's model.uri, and so its
+    reference. Standard preference pairs (the tokenizer has no chat template: prompt text, then
+    each completion); `eft prepare` scores them with the export; at step 1 the policy is that
+    reference, so the loss is ln 2; the run records the export as its model."""
+    import math
+
+    from app.data.prepare import prepare_dataset
+    from app.dev.tiny import build_preference_corpus, write_jsonl
+    from app.export import export_run
+
+    sft_cfg, _, _ = straight_run
+    merged = export_run(sft_cfg, merge=True, store=Store())["merged_uri"]
+    store = Store()
+    raw = write_jsonl(build_preference_corpus(conversational=False, max_chars=100), tmp_path / "pairs.jsonl")
+    store.write_bytes("s3://eft/raw/train-tests-pairs.jsonl", raw.read_bytes())
+    cfg = make_cfg("sft-then-dpo", model={"uri": merged}, data={"uri": "s3://eft/data/train-tests-pairs",
+                                                                "seq_len": 128, "validation_fraction": 0.0},
+                   prepare={"input_uri": "s3://eft/raw/train-tests-pairs.jsonl", "format": "preference"},
+                   training={"objective": "dpo", "max_steps": 4, "global_batch_size": 4, "eval_every_steps": None,
+                             "trace_rows": False}, checkpoint={"save_every_steps": 4})
+    manifest = prepare_dataset(cfg, store)
+    assert manifest["reference"]["model"]["uri"] == merged and manifest["source"]["format"] == "preference"
+    summary = run_training(cfg)
+    metrics = load_metrics(store, cfg.run_uri)
+    assert summary["status"] == "succeeded" and [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert metrics[0]["loss"] == pytest.approx(math.log(2), abs=1e-4)
+    import yaml
+
+    stored = yaml.safe_load(store.read_text(join(cfg.run_uri, "config.yaml")))
+    assert stored["model"]["uri"] == merged and stored["training"]["objective"] == "dpo"
