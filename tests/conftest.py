@@ -136,6 +136,25 @@ def base_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("eft-cache")
 
 
+def build_tiny_preference_dataset(cfg, work_dir: Path, max_chars: int = 60, per_topic: int = 4) -> dict:
+    """A tiny base at cfg.model.uri, standard preference pairs from the pydoc topics (prompt text,
+    then each completion: the tiny tokenizer has no chat template) at cfg.prepare.input_uri,
+    prepared into cfg.data.uri with the reference pass when cfg's objective is dpo (needs the `s3`
+    and `ray_cluster` fixtures). Returns the manifest."""
+    from app.data.manifest import load_manifest
+    from app.data.prepare import prepare_dataset
+    from app.dev.tiny import build_corpus, build_preference_corpus, save_tiny_base, write_jsonl
+    from app.storage import Store
+
+    store = Store()
+    save_tiny_base(store, cfg.model.uri, texts=build_corpus(max_docs=300))
+    pairs = build_preference_corpus(conversational=False, max_chars=max_chars, per_topic=per_topic)
+    raw = write_jsonl(pairs, Path(work_dir) / "pairs.jsonl")
+    store.write_bytes(cfg.prepare.input_uri, raw.read_bytes())
+    prepare_dataset(cfg, store)
+    return load_manifest(store, cfg.data.uri)
+
+
 def build_tiny_dataset(cfg, work_dir: Path, max_docs: int = 300) -> dict:
     """A tiny base at cfg.model.uri, the pydoc corpus at cfg.prepare.input_uri, prepared into
     cfg.data.uri (needs the `s3` and `ray_cluster` fixtures). Returns the manifest."""

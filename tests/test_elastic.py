@@ -3,7 +3,12 @@ a drain notice with a deadline → a just-in-time checkpoint as late as is safe,
 drains; the node goes → the run continues on 2 workers from that checkpoint; a node comes back
 → it grows to 3; a node is killed without notice → the run resumes from the last periodic
 checkpoint on 2. The committed trajectory consumes every row of each
-epoch exactly once, with the rows per step and the losses of an uninterrupted run."""
+epoch exactly once, with the rows per step and the losses of an uninterrupted run.
+
+The run is DPO on packed preference pairs with precomputed reference log-probs: the objective
+eft adds on top of SFT's step (the reference column travels through every restart, and the loss
+is normalized per pair over the global batch at 3 and 2 workers alike). SFT's own N → M exactness
+is test_train.py's 3 → 2 → 1 run."""
 
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ import math
 from types import SimpleNamespace
 
 import pytest
-from conftest import build_tiny_dataset
+from conftest import build_tiny_preference_dataset
 
 from app.config import build_config
 from app.data.stream import DataOrder
@@ -24,15 +29,17 @@ from app.storage import Store
 
 BASE, DATA = "s3://eft/models/tiny-spot", "s3://eft/data/spot"
 STEPS = 140  # the scenario's default (tests/scenarios/spot.py)
+SEQ_LEN = 96  # as the scenario's: a pair of the pydoc topics' short answers fits
 RUN = "s3://eft/runs-spot/spot"
 
 
 @pytest.fixture(scope="module")
 def spot_result(s3, ray_cluster, tmp_path_factory, run_scenario):
-    manifest = build_tiny_dataset(build_config({
-        "name": "p", "model": {"uri": BASE}, "data": {"uri": DATA, "seq_len": 64},
-        "prepare": {"input_uri": "s3://eft/raw/spot.jsonl"}, "storage": {"root_uri": "s3://eft/runs-spot"},
-        "training": {"max_steps": 1}}), tmp_path_factory.mktemp("raw"))
+    manifest = build_tiny_preference_dataset(build_config({
+        "name": "p", "model": {"uri": BASE}, "data": {"uri": DATA, "seq_len": SEQ_LEN}, "lora": {"r": 8},
+        "prepare": {"input_uri": "s3://eft/raw/spot-pairs.jsonl", "format": "preference"},
+        "storage": {"root_uri": "s3://eft/runs-spot"}, "training": {"max_steps": 1, "objective": "dpo"}}),
+        tmp_path_factory.mktemp("raw"))
     out = tmp_path_factory.mktemp("spot") / "result.json"
     proc = run_scenario("spot", str(out), BASE, DATA, s3.endpoint, timeout_s=900)
     assert proc.returncode == 0, proc.stderr[-4000:]

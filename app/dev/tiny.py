@@ -160,11 +160,13 @@ def build_chat_corpus(seed: int = 0) -> list[dict]:
     return records
 
 
-def build_preference_corpus(seed: int = 0, conversational: bool = True, max_chars: int = 160) -> list[dict]:
+def build_preference_corpus(seed: int = 0, conversational: bool = True, max_chars: int = 160,
+                            per_topic: int = 1) -> list[dict]:
     """Preference pairs about Python from its own help topics: "What is <title>?" → chosen, the
-    topic's first paragraph; rejected, a plausible wrong answer: another topic's first paragraph
-    (two thirds of the pairs) or the right one cut off mid-sentence. TRL's conversational form
-    (lists of messages) by default, else its standard form (three strings)."""
+    topic's first paragraph ("Explain <title>." its second, "Tell me more about <title>." the next
+    ones, up to `per_topic` paragraphs); rejected, a plausible wrong answer: another topic's
+    paragraph (two thirds of the pairs) or the right one cut off mid-sentence. TRL's
+    conversational form (lists of messages) by default, else its standard form (three strings)."""
     import random
 
     rng = random.Random(seed)
@@ -173,19 +175,22 @@ def build_preference_corpus(seed: int = 0, conversational: bool = True, max_char
     for index, (title, paras) in enumerate(sections):
         subject = title[0].lower() + title[1:]
         verb = "are" if subject.endswith("s") and not subject.endswith(("ss", '"')) else "is"
-        question, chosen = f"What {verb} {subject}?", paras[0]
-        words = chosen.split()
-        if rng.random() < 2 / 3 or len(words) < 8:
-            other = sections[(index + rng.randrange(1, len(sections))) % len(sections)][1][0]
-            rejected = other if other != chosen else " ".join(words[:len(words) // 2])
-        else:
-            rejected = " ".join(words[:rng.randrange(3, len(words) // 2 + 1)])
-        if conversational:
-            records.append({"prompt": [{"role": "user", "content": question}],
-                            "chosen": [{"role": "assistant", "content": chosen}],
-                            "rejected": [{"role": "assistant", "content": rejected}]})
-        else:
-            records.append({"prompt": question, "chosen": chosen, "rejected": rejected})
+        questions = [f"What {verb} {subject}?", f"Explain {subject}."]
+        for i, chosen in enumerate(paras[:per_topic]):
+            question = questions[i] if i < len(questions) else f"Tell me more about {subject}."
+            words = chosen.split()
+            if rng.random() < 2 / 3 or len(words) < 8:
+                others = sections[(index + rng.randrange(1, len(sections))) % len(sections)][1]
+                other = others[min(i, len(others) - 1)]
+                rejected = other if other != chosen else " ".join(words[:len(words) // 2])
+            else:
+                rejected = " ".join(words[:rng.randrange(3, len(words) // 2 + 1)])
+            if conversational:
+                records.append({"prompt": [{"role": "user", "content": question}],
+                                "chosen": [{"role": "assistant", "content": chosen}],
+                                "rejected": [{"role": "assistant", "content": rejected}]})
+            else:
+                records.append({"prompt": question, "chosen": chosen, "rejected": rejected})
     return records
 
 

@@ -1,6 +1,6 @@
 """A spot reclaim and a hard kill on a real multi-node Ray cluster on one machine (run as a
 subprocess by tests/test_elastic.py, so it owns its Ray cluster): 3 worker nodes, min 2 / max 3
-workers. Mid-run one node gets a pre-emption drain notice with a deadline and is then removed;
+workers, a DPO run on precomputed reference log-probs. Mid-run one node gets a pre-emption drain notice with a deadline and is then removed;
 a node is added back and the run grows to 3; then a node is killed outright, without notice,
 and the run finishes on 2. Writes what happened to the JSON file named on the command line."""
 
@@ -41,9 +41,11 @@ def run_scenario(cluster: chaos.LocalCluster, out_path: str, base_uri: str, data
         "name": "spot", "model": {"uri": base_uri},
         "lora": {"r": 8, "alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                            "up_proj", "down_proj"]},
-        "data": {"uri": data_uri, "seq_len": 64},
+        # DPO on preference pairs, the reference log-probs precomputed (tests/test_elastic.py).
+        "data": {"uri": data_uri, "seq_len": 96},
         "training": {"max_steps": int(os.environ.get("SPOT_STEPS", "140")), "global_batch_size": 12,
-                     "micro_batch_size": 2, "lr": 3e-3, "schedule": "constant", "trace_rows": True},
+                     "micro_batch_size": 2, "lr": 3e-3, "schedule": "constant", "trace_rows": True,
+                     "objective": "dpo"},
         # Steps here take 0.1-0.2 s, but a step after a save can stall for 3-4 s when the 3
         # workers, Ray and the S3 endpoint share 2 cores: a margin that rides that out.
         "checkpoint": {"save_every_steps": 10, "preemption_margin_s": 5.0},
