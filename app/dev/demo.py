@@ -161,6 +161,20 @@ def generate_sample(merged_uri: str, store: Store, prompt: str = "The import sta
     return tokenizer.decode(out[0], skip_special_tokens=True)
 
 
+def report_rewards(store: Store, cfg, window: int = 10) -> int:
+    """A preference job's verdict: a step holds a few pairs, so one step's loss is noisy; the mean
+    of the last `window` steps against the first's ln 2 (the policy starts as the reference), and
+    how often the chosen answer won over those steps."""
+    from app.observe.metrics import load_metrics
+
+    metrics = load_metrics(store, cfg.run_uri)
+    last = metrics[-window:]
+    mean = {key: sum(m[key] for m in last) / len(last) for key in ("loss", "reward_margin", "reward_accuracy")}
+    print(f"rewards:  over the last {len(last)} steps, loss {mean['loss']:.4f} (from {metrics[0]['loss']:.4f}), "
+          f"margin {mean['reward_margin']:.3f}, chosen preferred in {mean['reward_accuracy']:.0%} of the pairs")
+    return 0 if mean["loss"] < metrics[0]["loss"] and mean["reward_accuracy"] > 0.5 else 1
+
+
 def run_demo(config_path: Optional[str] = None, state_dir: Path = Path(".eft"), max_steps: Optional[int] = None,
              keep_stack: bool = False, allow_remote_bucket: bool = False) -> int:
     from app.data.manifest import read_committed_manifest
@@ -209,11 +223,7 @@ def run_demo(config_path: Optional[str] = None, state_dir: Path = Path(".eft"), 
         first, final = summary["first_train_loss"], summary["final_train_loss"]
         print(f"train loss {first:.4f} → {final:.4f} over {summary['steps']} steps")
         if cfg.training.objective != "sft":
-            from app.observe.metrics import load_metrics
-
-            last = load_metrics(store, cfg.run_uri)[-1]
-            print(f"rewards:  margin {last['reward_margin']:.3f}, chosen preferred in {last['reward_accuracy']:.0%} "
-                  f"of the last step's pairs")
+            return report_rewards(store, cfg)
         return 0 if final < first else 1
     finally:
         if started_stack and not keep_stack:
