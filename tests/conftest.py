@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -87,8 +88,11 @@ def run_scenario():
         # sized before the GCS has dropped a drained node).
         env = {k: v for k, v in os.environ.items()
                if not (FAST_POLL_SET_HERE and k == "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S")}
-        return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
+        proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
                               timeout=timeout_s, env=env)
+        # The whole stderr, for a failure whose cause scrolled out of the assertion's tail.
+        (Path(tempfile.gettempdir()) / f"eft-scenario-{name}.log").write_text(proc.stderr)
+        return proc
 
     return run
 

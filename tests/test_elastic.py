@@ -39,7 +39,10 @@ def spot_result(s3, ray_cluster, tmp_path_factory, run_scenario):
         "name": "p", "model": {"uri": BASE}, "data": {"uri": DATA, "seq_len": SEQ_LEN}, "lora": {"r": 8},
         "prepare": {"input_uri": "s3://eft/raw/spot-pairs.jsonl", "format": "preference"},
         "storage": {"root_uri": "s3://eft/runs-spot"}, "training": {"max_steps": 1, "objective": "dpo"}}),
-        tmp_path_factory.mktemp("raw"))
+        # Every pair the topics give (469 rows, 39 steps an epoch): the notice comes with several
+        # steps left before the first epoch opening, which the late save then comes before (see
+        # PreemptionWatcher), rather than at the notice step itself.
+        tmp_path_factory.mktemp("raw"), per_topic=1000)
     out = tmp_path_factory.mktemp("spot") / "result.json"
     proc = run_scenario("spot", str(out), BASE, DATA, s3.endpoint, timeout_s=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -237,6 +240,23 @@ def test_a_periodic_save_that_leaves_no_room_after_it_becomes_the_late_save():
     state["step"] = 18
     decision = watcher.after_step(18, save_due=True)
     assert decision is not None and decision.drain and not watcher.save_pending
+
+
+def test_a_step_that_opens_an_epoch_is_counted_as_long_as_the_slowest_epoch_opening():
+    """Steps of 1 s, a save of 3 s, the deadline 20 s after the notice: alone the late save comes
+    at step 20 (above). The group's first step waited 9 s for its pipeline; step 13 overlaps an
+    epoch opening, so after step 12 (13 s left) it and the save would leave 1 s, under the
+    margin: the late save comes before it, not after a stall that could run past the deadline."""
+    clock = FakeClock()
+    watcher, events, _, state = build_watcher(clock, {5: notice(1025.0)}, gone_at=1024.5)
+    watcher.record_epoch_start(9.0)  # the group's first data wait
+    for step in range(1, 13):
+        clock.now += 1.0
+        state["step"] = step
+        decision = watcher.after_step(step, epoch_opening=(step == 3, step == 12))
+        assert (decision is not None) == (step == 12), step
+    assert watcher.epoch_start_s == 9.0  # step 3's opening took 1 s: it does not lower it
+    assert decision.drain and events[0]["plan"] == "late" and events[0]["next_step_s"] == 1.0
 
 
 def test_watcher_falls_back_to_saving_at_once_when_the_deadline_is_too_close():

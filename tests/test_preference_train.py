@@ -183,3 +183,28 @@ def test_status_and_report_show_the_rewards(dpo_run):
         f"{metrics[-1]['reward_accuracy']:.2f} (validation ")
     figure = build_loss_figure(run, status)
     assert [ax.get_title() for ax in figure.axes][1] == "preference rewards"
+
+
+def test_a_dpo_run_exports_like_any_other(dpo_run):
+    """Export is unchanged: the adapter loads into PEFT on the base, the merged model into
+    transformers, and both carry the chat template the pairs were rendered with, so the tuned
+    model's logits are the adapted base's."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from app.export import export_run
+
+    cfg, _, _ = dpo_run
+    store = Store()
+    exported = export_run(cfg, merge=True, store=store)
+    merged_dir, adapter_dir = (store.cache_locally(exported[k]) for k in ("merged_uri", "adapter_uri"))
+    tokenizer = AutoTokenizer.from_pretrained(merged_dir)
+    base = AutoModelForCausalLM.from_pretrained(store.cache_locally(MODEL), dtype=torch.float32)
+    assert tokenizer.chat_template == AutoTokenizer.from_pretrained(store.cache_locally(MODEL)).chat_template
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is a list?"}], add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=True)["input_ids"]
+    with torch.no_grad():
+        adapted = PeftModel.from_pretrained(base, adapter_dir).eval()(ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(merged_dir).eval()(ids).logits
+    torch.testing.assert_close(merged, adapted, rtol=1e-4, atol=1e-4 * adapted.abs().max().item())

@@ -107,3 +107,13 @@ def test_the_batch_plan_splits_every_step_the_same_way_on_every_rank():
         "training.global_batch_size 10 cannot be split into 3 workers x micro_batch_size 2"
     assert BatchPlan(12, 3, 2).problem(False) is None and BatchPlan(12, 3, 2).accum == 2
     assert "some workers would get no rows" in BatchPlan(2, 3, 1).problem(True)
+
+
+def test_opens_epoch_marks_the_steps_whose_rows_begin_an_epoch():
+    from app.data.stream import opens_epoch
+
+    # 187 rows an epoch, 12 a step: steps start at 0, 12, ..., 180 (crosses 187), 192, ..., 372 (374).
+    starts = [s for s in range(0, 400, 12) if opens_epoch(s, 12, 187)]
+    assert starts == [0, 180, 372]
+    assert opens_epoch(374, 12, 187) and not opens_epoch(375, 12, 187)  # a step starting on the boundary
+    assert all(opens_epoch(s, 12, 5) for s in range(0, 60, 12))  # an epoch shorter than a step

@@ -199,6 +199,12 @@ def iter_rank_rows(order: DataOrder, shard_uris: list[str], filesystem, rank_sli
         epoch += 1
 
 
+def opens_epoch(start_row: int, rows: int, epoch_rows: int) -> bool:
+    """Whether the global rows [start_row, start_row + rows) include an epoch's first row: a step
+    that waits for a new pipeline to start."""
+    return start_row % epoch_rows == 0 or start_row // epoch_rows != (start_row + rows - 1) // epoch_rows
+
+
 def iter_step_batches(rows: Iterator[tuple], rows_per_step: int, micro_batch: int, accum: int,
                       ) -> Iterator[list[tuple[np.ndarray, np.ndarray, np.ndarray, Optional[np.ndarray]]]]:
     """One optimizer step's micro-batches at a time: `accum` × (row_ids, input_ids [B, T],

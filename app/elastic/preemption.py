@@ -12,6 +12,12 @@ group from that checkpoint, so nothing done before the node went is thrown away.
 A notice without a deadline, or one too close for even one save, falls back to saving at
 once and training on (the old behaviour); the event says so.
 
+An epoch's first rows come from a new Ray Data pipeline, started on the prefetch thread a few
+steps ahead; its start-up takes CPU and the GIL from the steps it overlaps (one took 10 s against
+0.3 s steps on a 2-core box, and the late save then missed its deadline). So when the next step
+overlaps an epoch opening it is counted as long as the slowest opening seen in this group: the
+group's first data wait (its pipeline's cold start) or a step that overlapped a later opening.
+
 Every rank calls `after_step` every step with the same arguments (Ray's call is itself a
 barrier that hands every rank rank 0's notice), so all of them save and drain together.
 """
@@ -80,6 +86,8 @@ class PreemptionWatcher:
         self.draining = None  # the notice whose late save was taken
         self.noticed_step: Optional[int] = None
         self.step_times: collections.deque = collections.deque(maxlen=8)
+        self.epoch_start_s = 0.0  # the slowest data wait of a step that opened an epoch
+        self.next_opens_epoch = False
         self._last_call = clock()
         self._saving_s = 0.0
 
@@ -87,6 +95,14 @@ class PreemptionWatcher:
     def step_s(self) -> float:
         # The slowest recent step: a step after the notice may be slower than the average.
         return max(self.step_times, default=0.0)
+
+    def next_step_s(self) -> float:
+        """What the next step may take: an epoch opening's if it overlaps one."""
+        return max(self.step_s, self.epoch_start_s) if self.next_opens_epoch else self.step_s
+
+    def record_epoch_start(self, seconds: float) -> None:
+        """What an epoch opening cost: the group's first data wait, or a step that overlapped one."""
+        self.epoch_start_s = max(self.epoch_start_s, seconds)
 
     def margin_s(self) -> float:
         # Clock skew between nodes, the decision's own collective, and save-time jitter. At
@@ -113,13 +129,18 @@ class PreemptionWatcher:
         else:
             self.save_s = max(self.save_s, seconds)
 
-    def after_step(self, step: int, save_due: bool = False) -> Optional[SaveDecision]:
+    def after_step(self, step: int, save_due: bool = False, epoch_opening: tuple[bool, bool] = (False, False),
+                   ) -> Optional[SaveDecision]:
         """Called by every rank after each optimizer step: None, or a just-in-time save to take now.
         `save_due`: a periodic save comes at this boundary anyway. While a late save is pending it
         costs its own time before the next step, so it becomes the late save when what is left
-        after it would not fit another step and save."""
+        after it would not fit another step and save. `epoch_opening`: whether the step just taken,
+        and the next one, overlap an epoch's pipeline start (see the module's note)."""
         now = self.clock()
         self.step_times.append(max(now - self._last_call - self._saving_s, 0.0))
+        if epoch_opening[0]:
+            self.record_epoch_start(self.step_times[-1])
+        self.next_opens_epoch = epoch_opening[1]
         self._last_call, self._saving_s = now, 0.0
         info = self.get_info()
         if info is None:
@@ -140,7 +161,7 @@ class PreemptionWatcher:
         """(too close for any save, last safe boundary for a late one), the same on every rank:
         one collective, any rank's True wins, so the most cautious clock decides."""
         too_short = left_s - self.save_s < self.margin_s()
-        save_now = should_save_now(left_s, self.step_s, self.save_s, self.margin_s())
+        save_now = should_save_now(left_s, self.next_step_s(), self.save_s, self.margin_s())
         return tuple(self.agree([too_short, save_now]))
 
     def _on_notice(self, info, step: int, now: float) -> Optional[SaveDecision]:
@@ -148,7 +169,8 @@ class PreemptionWatcher:
         fields = dict(step=step, deadline_ms=info.deadline_ms, nodes=list(info.preempted_node_ids),
                       ranks=list(info.preempted_ranks), seconds_left=None if left is None else round(left, 2),
                       save_estimate_s=round(self.save_s, 2), save_timed=self.save_timed,
-                      step_s=round(self.step_s, 3), margin_s=round(self.margin_s(), 2))
+                      step_s=round(self.step_s, 3), next_step_s=round(self.next_step_s(), 3),
+                      margin_s=round(self.margin_s(), 2))
         # Same on every rank: Ray hands every rank rank 0's notice.
         too_short, save_now = (True, True) if left is None else self._decide(left)
         if not too_short:

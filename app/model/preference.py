@@ -133,15 +133,18 @@ def pair_segments(labels: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray
 
 def sequence_logps(token_logps: torch.Tensor, segments: torch.Tensor, num_sequences: int) -> torch.Tensor:
     """[num_sequences]: each sequence's summed log-prob over its positions in `segments`."""
-    keep = segments >= 0
-    total = token_logps.new_zeros(num_sequences)
-    return total.index_add(0, segments[keep], token_logps[keep])
+    # Positions of no sequence go to one extra bucket, dropped after: a boolean mask would make
+    # the device sync to learn its size.
+    index = torch.where(segments >= 0, segments, num_sequences).reshape(-1)
+    total = token_logps.new_zeros(num_sequences + 1)
+    return total.index_add(0, index, token_logps.reshape(-1))[:num_sequences]
 
 
 def sequence_tokens(segments: torch.Tensor, num_sequences: int) -> torch.Tensor:
     """[num_sequences]: how many labelled positions each sequence has (its completion length)."""
-    keep = segments >= 0
-    return torch.bincount(segments[keep], minlength=num_sequences)[:num_sequences]
+    index = torch.where(segments >= 0, segments, num_sequences).reshape(-1)
+    counts = torch.zeros(num_sequences + 1, dtype=torch.long, device=segments.device)
+    return counts.index_add(0, index, torch.ones_like(index))[:num_sequences]
 
 
 # -- the objectives ------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from app.batch import IGNORE_INDEX as IGNORE, BatchPlan
 from app.config import JobConfig
 from app.data.manifest import load_manifest, split_shard_uris
 from app.data.stream import (DataOrder, RankSlice, document_isolation, iter_rank_rows, iter_step_batches,
-                             load_split_rows, prefetch_in_background)
+                             load_split_rows, opens_epoch, prefetch_in_background)
 from app.elastic import checkpoint as ckpt
 from app.elastic.grow import GrowRequests, build_grow_requests
 from app.elastic.preemption import PreemptionWatcher, build_preemption_watcher, state_bytes
@@ -49,6 +49,8 @@ from app.storage import Store
 from app.train.objective import build_objective, summarize
 
 log = logging.getLogger("eft.train")
+
+PREFETCH_STEPS = 2  # step batches the prefetch thread builds ahead of the loop
 
 
 def lr_at(step: int, total: int, t) -> float:
@@ -302,7 +304,7 @@ def setup_data(cfg: JobConfig, store: Store, rank: int, world: int) -> DataParts
     rows = iter_rank_rows(order, train_shards, data_fs, my_slice, start=start_rows, position_ids=isolate,
                           ref_logps=reference)
     batches = prefetch_in_background(iter_step_batches(rows, my_slice.rows_per_step, t.micro_batch_size,
-                                                       plan.accum), depth=2)
+                                                       plan.accum), depth=PREFETCH_STEPS)
     return DataParts(manifest=manifest, plan=plan, lineage=build_lineage(cfg, manifest), train_rows=order.num_rows,
                      steps_total=total_steps(cfg, order.num_rows), checkpoint=checkpoint, start_rows=start_rows,
                      batches=batches, isolate=isolate)
@@ -469,7 +471,16 @@ def maybe_checkpoint(w: Worker) -> None:
     cfg, p, rec, watch = w.cfg, w.progress, w.recorders, w.watchers
     step, last = p.step, w.data.steps_total
     periodic = step % cfg.checkpoint.save_every_steps == 0 or step == last
-    just_in_time = watch.preemption.after_step(step, save_due=periodic) if watch.preemption is not None else None
+    just_in_time = None
+    if watch.preemption is not None:
+        if step == rec.timer.start_step + 1:  # the group's pipeline started cold
+            watch.preemption.record_epoch_start(rec.timer.last_s.get("data", 0.0))
+        # A step overlaps an epoch's pipeline start when its rows or those the prefetch thread may
+        # be building meanwhile include the epoch's first row.
+        gbs, n = cfg.training.global_batch_size, w.data.train_rows
+        window = (PREFETCH_STEPS + 2) * gbs
+        just_in_time = watch.preemption.after_step(step, save_due=periodic, epoch_opening=(
+            opens_epoch(p.rows_consumed - gbs, window, n), opens_epoch(p.rows_consumed, window, n)))
     before_grow = watch.grow.after_step(step) if watch.grow is not None else None
     if not (just_in_time or before_grow or periodic):
         return
