@@ -102,17 +102,26 @@ def test_standard_pairs_use_the_template_when_there_is_one_else_prompt_text_then
     ({"prompt": "q", "chosen": [{"role": "assistant", "content": "a"}], "rejected": "b"},
      "prompt, chosen and rejected mix text and messages"),
     ({"prompt": "q", "rejected": "b"}, "missing field 'chosen'"),
+    ({"prompt": "q", "chosen": "a " * 300, "rejected": "b"}, "pair longer than seq_len"),
 ])
 def test_bad_pairs_are_counted_skips_with_their_reason(tok, record, reason):
     (row,) = tokenize(tok, [record])
     assert row["reason"] == reason and row["input_ids"] == []
 
 
-def test_a_pair_longer_than_seq_len_is_dropped_not_bad(tok):
-    """As `overlong: drop` does with a document: counted apart, so a long tail of long pairs does
-    not trip prepare.max_bad_records."""
-    (row,) = tokenize(tok, [{"prompt": "q", "chosen": "a " * 300, "rejected": "b"}])
-    assert row["reason"] is None and row["overlong"] == "dropped" and row["input_ids"] == []
+def test_pairs_longer_than_seq_len_are_skips_that_do_not_count_against_the_limit():
+    """A long tail of long pairs is data, not damage: counted by reason, but only the other
+    reasons trip prepare.max_bad_records (and name the records at fault)."""
+    from app.data.engines import PAIR_TOO_LONG, PrepareError
+    from app.data.prepare import BadRecords
+
+    bad = BadRecords(limit=1, input_uri="s3://b/pairs.jsonl")
+    for line in range(1, 6):
+        bad.add("pairs.jsonl", line, PAIR_TOO_LONG)
+    bad.add("pairs.jsonl", 6, "empty chosen")
+    assert bad.count == 6 and bad.by_reason[PAIR_TOO_LONG] == 5
+    with pytest.raises(PrepareError, match=r"max_bad_records=1 .*first: pairs.jsonl:6 empty chosen; pairs.jsonl:7"):
+        bad.add("pairs.jsonl", 7, "chosen equals rejected")
 
 
 def test_a_conversational_pair_needs_a_chat_template(tok):
@@ -205,8 +214,7 @@ def read_rows(store, cfg, manifest, split="train"):
 def test_prepare_packs_every_good_pair_whole_and_counts_the_bad(prepared, tok):
     store, cfg, manifest, records = prepared
     assert manifest["source"]["format"] == "preference"
-    assert manifest["records"]["skipped_by_reason"] == {"chosen equals rejected": 1}
-    assert manifest["records"]["overlong"]["dropped"] == 1
+    assert manifest["records"]["skipped_by_reason"] == {"chosen equals rejected": 1, "pair longer than seq_len": 1}
     splits = manifest["splits"]
     assert splits["train"]["pairs"] + splits["validation"]["pairs"] == len(records) == manifest["records"]["used"]
     rows = read_rows(store, cfg, manifest)

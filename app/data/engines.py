@@ -74,6 +74,9 @@ TOKENIZED_SCHEMA = pa.schema([
     ("chosen_tokens", pa.int64()),
 ])
 OVERLONG_OUTCOMES = ("split", "truncated", "dropped")
+# A skip that is the data's shape, not damage: a long tail of long pairs is normal, so these do
+# not count against prepare.max_bad_records (as over-long documents dropped by `overlong: drop`).
+PAIR_TOO_LONG = "pair longer than seq_len"
 
 
 class PrepareError(RuntimeError):
@@ -248,9 +251,8 @@ class TokenizeDocuments:
 
     def tokenize_pairs(self, batch: pa.Table) -> pa.Table:
         """Preference pairs: each half tokenized as a document of its own (uncut), then the pair as
-        one row of the table, chosen first. A pair longer than seq_len is dropped, as `overlong:
-        drop` drops a document (counted in the manifest's records.overlong, not a bad record: a
-        long tail of long pairs is normal data): its two documents must share a packed row."""
+        one row of the table, chosen first. A pair longer than seq_len is a skip (its two documents
+        must share a packed row), which BadRecords counts but not against the limit."""
         chosen = self.tokenize(batch, None, "split")
         rejected_view = batch.select(["source", "line", "reason"]).append_column(
             "text", batch["rejected_text"]).append_column("prompt", batch["rejected_prompt"]).append_column(
@@ -259,13 +261,12 @@ class TokenizeDocuments:
         rejected = self.tokenize(rejected_view, None, "split")
         reasons = batch["reason"].to_pylist()
         ids, labels, lengths, chosen_tokens = [], [], np.zeros(batch.num_rows, dtype=np.int64), []
-        overlong = [None] * batch.num_rows
         columns = [t[c].to_pylist() for t in (chosen, rejected) for c in ("input_ids", "labels")]
         for i, (c_ids, c_labels, r_ids, r_labels) in enumerate(zip(*columns)):
             total = len(c_ids) + len(r_ids)
             if reasons[i] is None and self.seq_len and total > self.seq_len:
-                overlong[i] = "dropped"
-            if reasons[i] is not None or overlong[i] is not None:
+                reasons[i] = PAIR_TOO_LONG
+            if reasons[i] is not None:
                 chosen_tokens.append(None)
                 continue
             ids += [c_ids, r_ids]
@@ -277,7 +278,7 @@ class TokenizeDocuments:
         return pa.table({
             "source": batch["source"], "line": batch["line"], "reason": pa.array(reasons, pa.string()),
             "input_ids": build_list_array(flat_ids, lengths), "labels": build_list_array(flat_labels, lengths),
-            "overlong": pa.array(overlong, pa.string()), "chosen_tokens": pa.array(chosen_tokens, pa.int64()),
+            "overlong": pa.nulls(batch.num_rows, pa.string()), "chosen_tokens": pa.array(chosen_tokens, pa.int64()),
         }, schema=TOKENIZED_SCHEMA)
 
     def per_document(self, batch: pa.Table, plain: np.ndarray, chat: np.ndarray, ids: np.ndarray,

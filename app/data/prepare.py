@@ -36,7 +36,7 @@ from app.batch import IGNORE_INDEX
 from app.config import JobConfig
 from app.data.chat import ChatFormat
 from app.data.engines import (
-    OVERLONG_OUTCOMES, InputFiles, PrepareError, TokenizerSpec, build_list_array, check_chat_template, choose_engine,
+    OVERLONG_OUTCOMES, PAIR_TOO_LONG, InputFiles, PrepareError, TokenizerSpec, build_list_array, check_chat_template, choose_engine,
     encode_sources, export_backend, iter_local_tokenized, iter_ray_tokenized, list_input_files, load_chat_format,
     load_tokenizer, local_thread_count, number_parquet_rows, relative_source,
 )
@@ -83,8 +83,9 @@ class BadRecords:
         self.by_reason[reason] += 1
         if len(self.examples) < MAX_SKIPPED_EXAMPLES:
             self.examples.append({"source": source, "line": int(line), "reason": reason})
-        if self.count > self.limit:
-            first = "; ".join(f"{e['source']}:{e['line']} {e['reason']}" for e in self.examples[:ERROR_EXAMPLES])
+        if self.count - self.by_reason[PAIR_TOO_LONG] > self.limit:
+            counted = [e for e in self.examples if e["reason"] != PAIR_TOO_LONG]
+            first = "; ".join(f"{e['source']}:{e['line']} {e['reason']}" for e in counted[:ERROR_EXAMPLES])
             raise PrepareError(f"more than prepare.max_bad_records={self.limit} bad records in "
                                f"{self.input_uri}; first: {first}")
 
