@@ -86,7 +86,7 @@ class PreemptionWatcher:
         self.draining = None  # the notice whose late save was taken
         self.noticed_step: Optional[int] = None
         self.step_times: collections.deque = collections.deque(maxlen=8)
-        self.epoch_start_s = 0.0  # the slowest data wait of a step that opened an epoch
+        self.epoch_start_s = 0.0  # the slowest epoch opening seen (see record_epoch_start)
         self.next_opens_epoch = False
         self._last_call = clock()
         self._saving_s = 0.0

@@ -47,8 +47,9 @@ def run_scenario(cluster: chaos.LocalCluster, out_path: str, base_uri: str, data
                      "micro_batch_size": 2, "lr": 3e-3, "schedule": "constant", "trace_rows": True,
                      # SPOT_OBJECTIVE=simpo (or orpo) rehearses a reference-free objective the same way.
                      "objective": os.environ.get("SPOT_OBJECTIVE", "dpo")},
-        # Steps here take 0.3-1.5 s, but a step after a save can stall for 3-4 s when the 3
-        # workers, Ray and the S3 endpoint share 2 cores: a margin that rides that out.
+        # Steps here take 0.1-0.5 s (1-4 s on a loaded CI box), and a step after a save can stall
+        # for 3-4 s when the 3 workers, Ray and the S3 endpoint share 2 cores: a margin that
+        # rides that out.
         "checkpoint": {"save_every_steps": 10, "preemption_margin_s": 5.0},
         "scaling": chaos.elastic_scaling(min_workers=2, max_workers=3),
         "fault_tolerance": {"max_failures": 2},
