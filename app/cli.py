@@ -122,6 +122,26 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_eval(args) -> int:
+    cfg = _load(args)  # a config error is one line before anything heavy
+    from app.config import ConfigError
+
+    if cfg.eval is None:
+        raise ConfigError(f"{args.config}: eval: section missing (eval.uri names the eval set)")
+    from rich.console import Console
+
+    from app.eval.results import load_results
+    from app.eval.run import run_eval
+    from app.report import render_eval
+    from app.storage import Store
+
+    store = Store.from_config(cfg.storage)
+    results = run_eval(cfg, store, checkpoint=args.checkpoint, limit=args.limit)
+    others = [r for r in load_results(store, cfg.run_uri) if r["label"] != results["label"]]
+    Console(highlight=False).print(render_eval(results, others))
+    return 0
+
+
 def cmd_demo(args) -> int:
     from app.dev.demo import run_demo
 
@@ -270,6 +290,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", default=None, help="checkpoint URI (default: latest complete)")
     p.add_argument("--merge", action="store_true", help="also write the merged full model")
     p.set_defaults(fn=cmd_export)
+    p = with_config(sub.add_parser("eval", help="score a checkpoint, an export or the base on eval.uri"))
+    p.add_argument("--checkpoint", default="latest", metavar="latest|base|STEP|URI",
+                   help="what to score: the latest complete checkpoint (default), the base model, the "
+                        "checkpoint of a step, or a checkpoint / export / model URI")
+    p.add_argument("--limit", type=positive_int, default=None, metavar="N", help="score the first N records only")
+    p.set_defaults(fn=cmd_eval)
     p = sub.add_parser("demo", help="the whole pipeline on the embedded local stack")
     p.add_argument("--config", default=None, help="job YAML (default: jobs/configs/tiny-cpu.yaml)")
     p.add_argument("--state-dir", default=".eft")

@@ -379,6 +379,67 @@ class PreferenceConfig(_Strict):
         return "precomputed" if objective == "dpo" else "none"
 
 
+EVAL_METRICS = ("exact_match", "contains", "regex", "acc", "acc_norm")
+GENERATION_METRICS = ("exact_match", "contains", "regex")
+CHOICE_METRICS = ("acc", "acc_norm")
+
+
+class EvalConfig(_Strict):
+    """`eft eval` and evaluation on checkpoints while training: a task score, not a loss."""
+
+    uri: str
+    """The eval set: a JSONL or Parquet file (or a prefix of them, read in name order). Generation
+    records hold `prompt` (a string) or `messages` (a conversation to answer) and `answer` (a string
+    or a list of accepted strings); multiple-choice records hold `prompt` or `messages`, `choices`
+    (strings) and `answer` (the right choice's index). Prompts render exactly as training rendered
+    them (docs/eval.md)."""
+    metric: Optional[Literal["exact_match", "contains", "regex", "acc", "acc_norm"]] = None
+    """`exact_match`, `contains` or `regex` for a generation set; `acc` or `acc_norm` (log-likelihood
+    per character) for a multiple-choice set. Default: `exact_match` or `acc`, by the records."""
+    normalize: bool = True
+    """Compare after stripping, case-folding and collapsing whitespace (prediction and answer)."""
+    answer_regex: Optional[str] = None
+    """`metric: regex`: a Python regex that extracts the answer from the generation (its first group,
+    or the whole match without groups) before the exact-match comparison."""
+    num_actors: int = Field(1, gt=0)
+    """Ray Data actors scoring the set, each holding the model once (one GPU each when
+    `scaling.use_gpu`). The predictions are the same at any number."""
+    cpus_per_actor: float = Field(1.0, gt=0)
+    """CPUs each actor (and the evaluation task during training) reserves."""
+    batch_size: int = Field(8, gt=0)
+    """Prompts per generation batch (left-padded), or multiple-choice records per forward batch."""
+    max_new_tokens: int = Field(64, gt=0)
+    """Generation stops here, at the chat template's end-of-turn token or at the model's EOS."""
+    temperature: float = Field(0.0, ge=0)
+    """0: greedy (reproducible bit for bit). Above 0: sampling, seeded by `seed` and the batch."""
+    seed: int = Field(0, ge=0)
+    """Seeds sampling (temperature > 0) and the bootstrap of the score's 95% interval."""
+    max_bad_records: int = Field(10, ge=0)
+    """Records that cannot be scored (no prompt, an answer index out of range, ...) are skipped
+    and counted, each named with its line; more than this many is a one-line error."""
+    every_checkpoints: int = Field(0, ge=0)
+    """While training: score every Nth periodic checkpoint (and the last) in a Ray task of its own,
+    through Ray Train's validation hook, off the steps' path; 0 = off. The score lands in the run's
+    metrics as `eval_<metric>` at the checkpoint's step."""
+    timeout_s: Optional[float] = Field(None, gt=0)
+    """While training: give up on one checkpoint's evaluation after this long (a warning)."""
+    engine: Literal["auto", "transformers", "vllm"] = "auto"
+    """`transformers` generate (CPU or GPU); `vllm` through `ray.data.llm` (GPU, the `eft[vllm]`
+    extra); `auto`: vllm on GPU workers when it is installed, else transformers."""
+
+    @model_validator(mode="after")
+    def _regex(self) -> "EvalConfig":
+        """`metric: regex` needs `answer_regex`, and the regex compiles."""
+        if self.metric == "regex" and not self.answer_regex:
+            raise ValueError("eval.metric regex needs eval.answer_regex (the regex that extracts the answer)")
+        if self.answer_regex is not None:
+            try:
+                re.compile(self.answer_regex)
+            except re.error as err:
+                raise ValueError(f"eval.answer_regex {self.answer_regex!r} is not a valid regex ({err})") from None
+        return self
+
+
 class CheckpointConfig(_Strict):
     """Sharded checkpoints (DCP) under the run, and when they are taken."""
 
@@ -497,6 +558,7 @@ class JobConfig(_Strict):
     scaling: ScalingConfig = Field(default_factory=ScalingConfig)
     fault_tolerance: FaultToleranceConfig = Field(default_factory=FaultToleranceConfig)
     storage: StorageConfig
+    eval: Optional[EvalConfig] = None
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "JobConfig":

@@ -16,6 +16,7 @@ from typing import Optional
 
 from app.elastic import checkpoint as ckpt
 from app.elastic.resume import CONFIG_FILE, load_run_config
+from app.eval.results import load_predictions, load_results
 from app.lease import describe_run_lease
 from app.observe import records
 from app.observe.metrics import format_duration, load_metrics
@@ -24,6 +25,7 @@ from app.storage import Store, join
 
 REPORT_DIR = "report"
 PLOT_FILE = "loss.png"
+EVAL_PLOT_FILE = "eval.png"
 MARKDOWN_FILE = "report.md"
 # Rank 0 writes its heartbeat at least once a second while it steps, and again after every
 # checkpoint save: two minutes of silence means the worker group is gone (or hung).
@@ -39,9 +41,10 @@ def load_run(store: Store, run_uri: str) -> dict:
     run_uri = run_uri.rstrip("/")
     store.check_reachable(run_uri)
     config = load_run_config(store, run_uri)
-    metrics = load_metrics(store, run_uri)
+    evals = load_results(store, run_uri)
+    metrics = merge_eval_metrics(load_metrics(store, run_uri), evals)
     events = records.load_events(store, run_uri)
-    if config is None and not metrics and not events:
+    if config is None and not metrics and not events and not evals:
         raise ValueError(f"{run_uri}: no run here (no {CONFIG_FILE}, metrics or events/)")
     has_summary = store.exists(join(run_uri, SUMMARY_FILE))
     return {
@@ -53,7 +56,25 @@ def load_run(store: Store, run_uri: str) -> dict:
         "checkpoints": ckpt.list_checkpoints(store, run_uri),
         "summary": load_summary(store, run_uri) if has_summary else None,
         "lease": describe_run_lease(store, run_uri),
+        "evals": evals,
     }
+
+
+def merge_eval_metrics(metrics: list[dict], evals: list[dict]) -> list[dict]:
+    """The evaluated checkpoints' scores as `eval_<metric>` (and its interval) on the metrics row of
+    their step; a step without a row (an eval of a step whose rows were void) gets a row of its own."""
+    by_step = {r.get("step"): r for r in metrics}
+    extra = []
+    for result in evals:
+        if result.get("checkpoint", {}).get("kind") != "checkpoint" or result.get("step") is None:
+            continue
+        key = f"eval_{result['metric']}"
+        row = by_step.get(result["step"])
+        if row is None:
+            row = {"step": result["step"]}
+            extra.append(row)
+        row.update({key: result["score"], f"{key}_low": result["interval"][0], f"{key}_high": result["interval"][1]})
+    return sorted(metrics + extra, key=lambda r: r.get("step", 0)) if extra else metrics
 
 
 # -- derive -------------------------------------------------------------------------
@@ -184,7 +205,18 @@ def build_status(run: dict, now: Optional[float] = None) -> dict:
         # Who holds the run now (the run lease), while a driver is live.
         "lease": run.get("lease"),
         "overlapping_attempts": build_overlaps(run["events"], run["heartbeats"]),
+        "eval": summarize_eval(run.get("evals") or []),
     }
+
+
+def summarize_eval(evals: list[dict]) -> Optional[dict]:
+    """The latest evaluation (highest step) and the base's, for status lines."""
+    if not evals:
+        return None
+    pick = lambda r: {k: r.get(k) for k in ("label", "metric", "score", "interval", "n", "step")}  # noqa: E731
+    tuned = [r for r in evals if r["label"] != "base"]
+    base = next((r for r in evals if r["label"] == "base"), None)
+    return {"latest": pick(tuned[-1]) if tuned else None, "base": pick(base) if base else None}
 
 
 # -- present ------------------------------------------------------------------------
@@ -270,6 +302,8 @@ def build_status_rows(status: dict) -> list[tuple[str, str]]:
         ("world size", format_timeline(status)),
         ("latest checkpoint", format_value(status["latest_checkpoint"])),
     ]
+    if status.get("eval"):
+        rows.append(("eval", format_eval_status(status["eval"])))
     if status.get("nccl"):
         rows += format_nccl(status["nccl"])
     if status.get("lease"):
@@ -281,6 +315,45 @@ def build_status_rows(status: dict) -> list[tuple[str, str]]:
     if status["error"]:
         rows.append(("error", status["error"]))
     return rows
+
+
+def format_score(result: dict) -> str:
+    low, high = result["interval"]
+    return f"{result['metric']} {result['score']:.3f} (95% {low:.3f}-{high:.3f}, n={result['n']})"
+
+
+def format_eval_status(ev: dict) -> str:
+    parts = []
+    if ev["latest"]:
+        parts.append(f"{format_score(ev['latest'])} at {ev['latest']['label']}")
+    if ev["base"]:
+        parts.append(f"base {ev['base']['score']:.3f}")
+    return "; ".join(parts)
+
+
+def render_eval(results: dict, others: list[dict]):
+    """`eft eval`'s closing table: this score with its interval beside the run's other evaluations,
+    then three of its predictions."""
+    from rich.console import Group
+    from rich.table import Table
+
+    scores = Table(title=f"eval of {results['run_uri']} on {results['eval_set']['uri']}")
+    for column in ("label", "step", "metric", "score", "95% interval", "n"):
+        scores.add_column(column)
+    for r in sorted([*others, results], key=lambda r: (r.get("step") is not None, r.get("step") or 0, r["label"])):
+        low, high = r["interval"]
+        style = "bold" if r is results else None
+        scores.add_row(r["label"], format_value(r.get("step")), r["metric"], f"{r['score']:.3f}",
+                       f"{low:.3f}-{high:.3f}", str(r["n"]), style=style)
+    examples = Table(title=f"{results['label']}: examples", show_lines=True)
+    for column in ("prompt", "prediction", "answer", "correct"):
+        examples.add_column(column, overflow="fold")
+    for ex in results.get("examples", []):
+        prompt = ex.get("prompt") or ex["messages"][-1]["content"]
+        prediction = ex["prediction"] if "choices" not in ex else ex["choices"][ex["prediction"]]
+        answer = ex["answer"] if "choices" not in ex else ex["choices"][ex["answer"]]
+        examples.add_row(prompt, repr(prediction), str(answer), "yes" if ex["correct"] else "no")
+    return Group(scores, examples)
 
 
 def render_status(status: dict):
@@ -369,6 +442,77 @@ def add_reward_panel(ax, metrics: list[dict]) -> None:
     ax.set_title("preference rewards")
 
 
+def build_eval_figure(status: dict, evals: list[dict]):
+    """Task score vs step with its 95% interval; the base's score as a dashed line."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 4.5), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for metric in dict.fromkeys(r["metric"] for r in evals):
+        ours = [r for r in evals if r["metric"] == metric]
+        base = next((r for r in ours if r["label"] == "base"), None)
+        steps = [r for r in ours if r["label"] != "base" and r.get("step") is not None
+                 and r.get("checkpoint", {}).get("kind") == "checkpoint"]
+        if steps:
+            x = [r["step"] for r in steps]
+            y = [r["score"] for r in steps]
+            err = [[r["score"] - r["interval"][0] for r in steps], [r["interval"][1] - r["score"] for r in steps]]
+            ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=f"{metric}, fine-tuned checkpoints")
+        if base:
+            ax.axhline(base["score"], color="gray", linestyle="--", label=f"{metric}, base ({base['score']:.3f})")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("step")
+    ax.set_ylabel("score")
+    ax.set_title(f"{status['name']}: task score vs step (95% bootstrap intervals)")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
+def render_eval_markdown(store: Store, run: dict, plot_name: str = EVAL_PLOT_FILE, examples: int = 3,
+                         max_columns: int = 5) -> str:
+    """Each evaluation's score, then the same prompts answered by the base and the evaluated
+    checkpoints side by side (the base and the last few)."""
+    evals = run["evals"]
+    rows = [[r["label"], r.get("step"), r["metric"], f"{r['score']:.3f}",
+             f"{r['interval'][0]:.3f}-{r['interval'][1]:.3f}", r["n"], r["eval_set"]["fingerprint"][:12]]
+            for r in evals]
+    parts = ["## Evaluation", "", render_markdown_table(
+        ["label", "step", "metric", "score", "95% interval", "n", "eval set"], rows), "",
+        f"![task score vs step]({plot_name})", ""]
+    shown = ([r for r in evals if r["label"] == "base"] + [r for r in evals if r["label"] != "base"])[:1]
+    shown += [r for r in evals if r["label"] != "base"][-(max_columns - len(shown)):]
+    columns = {}
+    for r in dict((r["label"], r) for r in shown).values():
+        try:
+            columns[r["label"]] = {p["index"]: p for p in load_predictions(store, run["uri"], r["label"])}
+        except (OSError, ValueError):
+            continue
+    if columns:
+        first = next(iter(columns.values()))
+        indexes = sorted(first)[:examples]
+        parts += ["### Examples: the same prompts, base vs fine-tuned", ""]
+        table = []
+        for i in indexes:
+            p = first[i]
+            prompt = p.get("prompt") or p["messages"][-1]["content"]
+            answer = p["answer"] if "choices" not in p else p["choices"][p["answer"]]
+            cells = [prompt, answer]
+            for label, preds in columns.items():
+                q = preds.get(i)
+                if q is None:
+                    cells.append("-")
+                    continue
+                shown_pred = q["prediction"] if "choices" not in q else q["choices"][q["prediction"]]
+                cells.append(f"{'✓' if q['correct'] else '✗'} {shown_pred}")
+            table.append(cells)
+        parts.append(render_markdown_table(["prompt", "answer", *columns], table))
+    return "\n".join(parts) + "\n"
+
+
 def render_png(fig) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
@@ -413,8 +557,15 @@ def save_report(store: Store, run: dict, out_uri: Optional[str] = None, now: Opt
     has_val = any(r.get("val_loss") is not None for r in run["metrics"])
     png_uri, md_uri = join(out_uri, PLOT_FILE), join(out_uri, MARKDOWN_FILE)
     store.write_bytes(png_uri, render_png(build_loss_figure(run, status)))
-    store.write_text(md_uri, render_markdown(status, has_val))
-    return [png_uri, md_uri]
+    markdown = render_markdown(status, has_val)
+    written = [png_uri, md_uri]
+    if run.get("evals"):
+        eval_png = join(out_uri, EVAL_PLOT_FILE)
+        store.write_bytes(eval_png, render_png(build_eval_figure(status, run["evals"])))
+        markdown += "\n" + render_eval_markdown(store, run)
+        written.insert(1, eval_png)
+    store.write_text(md_uri, markdown)
+    return written
 
 
 def render_summary(summary: dict) -> None:

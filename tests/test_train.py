@@ -65,7 +65,8 @@ def straight_run(dataset, mlflow_uri):
     """The reference: 12 steps on 2 workers, uninterrupted (also logged to a file-store MLflow)."""
     import os
 
-    cfg = make_cfg("straight")
+    cfg = make_cfg("straight", eval={"uri": write_eval_set(), "every_checkpoints": 1, "max_new_tokens": 8,
+                                     "batch_size": 4})
     # MLflow 3 keeps its file store behind an opt-in; the runs here are throwaway.
     os.environ.update(MLFLOW_TRACKING_URI=mlflow_uri, MLFLOW_ALLOW_FILE_STORE="true")
     try:
@@ -73,6 +74,18 @@ def straight_run(dataset, mlflow_uri):
     finally:
         del os.environ["MLFLOW_TRACKING_URI"], os.environ["MLFLOW_ALLOW_FILE_STORE"]
     return cfg, summary, load_metrics(Store(), cfg.run_uri)
+
+
+EVAL_SET = "s3://eft/eval-sets/train-tests.jsonl"
+
+
+def write_eval_set() -> str:
+    """Twelve prompts cut from the corpus, each answered by how its text goes on."""
+    from app.dev.tiny import build_corpus
+
+    records = [{"prompt": t[:48], "answer": t[48:60]} for t in build_corpus(max_docs=12)]
+    Store().write_text(EVAL_SET, "".join(json.dumps(r) + "\n" for r in records))
+    return EVAL_SET
 
 
 def step_rows(metrics: list[dict]) -> dict[int, list[int]]:
@@ -213,6 +226,61 @@ def test_metrics_reach_tensorboard_and_mlflow(straight_run, mlflow_uri, tmp_path
     history = client.get_metric_history(run.info.run_id, "loss")
     assert sorted(h.step for h in history) == list(range(1, 13))
     assert "aws_secret" not in str(run.data.params).lower()
+
+
+def test_checkpoints_are_scored_while_training_goes_on(straight_run, mlflow_uri, tmp_path, monkeypatch):
+    """eval.every_checkpoints 1: Ray Train's validation task scored each checkpoint (steps 6 and 12);
+    the scores are in the run's metrics at those steps, in TensorBoard and in MLflow."""
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from app.eval.results import load_results
+    from app.report import build_status, load_run
+
+    cfg, _, _ = straight_run
+    store = Store()
+    results = load_results(store, cfg.run_uri)
+    assert [(r["label"], r["step"], r["n"]) for r in results] == [("step-000006", 6, 12), ("step-000012", 12, 12)]
+    assert all(r["num_actors"] == 1 and r["checkpoint"]["kind"] == "checkpoint" for r in results)
+    run = load_run(store, cfg.run_uri)
+    scored = {r["step"]: r["eval_exact_match"] for r in run["metrics"] if "eval_exact_match" in r}
+    assert scored == {r["step"]: r["score"] for r in results}
+    assert build_status(run)["eval"]["latest"]["label"] == "step-000012"
+
+    store.download_dir(join(cfg.run_uri, "tensorboard"), tmp_path / "tb")
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert sorted(e.step for e in events.Scalars("eval_exact_match")) == [6, 12]
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient(mlflow_uri)
+    (mlrun,) = client.search_runs([client.get_experiment_by_name("eft").experiment_id],
+                                  filter_string=f"tags.`eft.run_uri` = '{cfg.run_uri}'")
+    assert sorted(h.step for h in client.get_metric_history(mlrun.info.run_id, "eval_exact_match")) == [6, 12]
+
+
+def test_eft_eval_on_1_and_3_actors_gives_the_validation_tasks_predictions(straight_run, tmp_path, capsys):
+    """The Ray Data pipeline (1 actor, then 3 through the CLI) predicts bit for bit what the
+    in-process validation task predicted for the same checkpoint."""
+    import yaml
+
+    from app.cli import main
+    from app.eval.results import load_predictions
+    from app.eval.run import run_eval
+
+    cfg, _, _ = straight_run
+    store = Store()
+    during = load_predictions(store, cfg.run_uri, "step-000012")
+    assert len({p["prediction"] for p in during}) > 1
+    one = run_eval(cfg, store, checkpoint="12")
+    assert one["num_actors"] == 1
+    assert load_predictions(store, cfg.run_uri, "step-000012") == during
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    assert main(["eval", str(path), "--checkpoint", "12", "--set", "eval.num_actors=3"]) == 0
+    assert store.read_json(join(cfg.run_uri, "eval", "step-000012", "results.json"))["num_actors"] == 3
+    assert load_predictions(store, cfg.run_uri, "step-000012") == during
+    out = capsys.readouterr().out
+    assert "95% interval" in out and "step-000012: examples" in out
 
 
 def test_lora_checkpoint_holds_adapters_not_the_base(straight_run):

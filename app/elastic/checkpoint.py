@@ -150,14 +150,15 @@ def build_app_state(model, optimizer, lora: bool) -> dict:
 
 def save(cfg, store: Store, model, optimizer, *, step: int, rows_consumed: int, world_size: int,
          metrics: Optional[dict], rank: int, lineage: Optional[dict] = None, wait_for_upload: bool = False,
-         lease_epoch: Optional[int] = None) -> None:
+         lease_epoch: Optional[int] = None, validate: bool = False) -> None:
     """Every rank writes its DCP shards to a local dir; Ray Train uploads and merges them into
     `<run>/checkpoint-<step>/` and registers the checkpoint only once every rank's part is up.
     Rank 0 adds train_state.json and, last, the sidecar listing every rank's files (a collective:
     every rank calls this). `lineage` ({"dataset", "identity"}, see app.elastic.resume) goes into the
     sidecar, and its dataset into train_state.json too. `wait_for_upload` overrides
     `checkpoint.async_upload` (a just-in-time save must be up before the group drains).
-    `lease_epoch`: the run lease's epoch of the driver whose group saves it (app.lease)."""
+    `lease_epoch`: the run lease's epoch of the driver whose group saves it (app.lease). `validate`:
+    Ray Train runs the trainer's validation function (app.eval.during) on it, off the steps' path."""
     import ray.train
     import torch.distributed.checkpoint as dcp
     from ray.train import Checkpoint
@@ -181,7 +182,7 @@ def save(cfg, store: Store, model, optimizer, *, step: int, rows_consumed: int, 
     mode = CheckpointUploadMode.ASYNC if cfg.checkpoint.async_upload and not wait_for_upload else CheckpointUploadMode.SYNC
     ray.train.report(dict(metrics or {"step": step}), checkpoint=Checkpoint.from_directory(str(local)),
                      checkpoint_dir_name=checkpoint_dir_name(step), checkpoint_upload_mode=mode,
-                     delete_local_checkpoint_after_upload=True)
+                     delete_local_checkpoint_after_upload=True, validation=validate)
     if mode == CheckpointUploadMode.SYNC:
         shutil.rmtree(local, ignore_errors=True)
 

@@ -199,24 +199,11 @@ class MlflowSink:
     def _connect(self):
         if self.client is not None:
             return self.client
-        from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
         settings, run_uri, params = self._start_args
-        experiment = settings.get("MLFLOW_EXPERIMENT_NAME", "eft")
         client = MlflowClient(self.tracking_uri)
-        found = client.get_experiment_by_name(experiment)
-        experiment_id = found.experiment_id if found else client.create_experiment(experiment)
-        runs = client.search_runs([experiment_id], filter_string=f"tags.`eft.run_uri` = '{run_uri}'", max_results=1)
-        if runs:
-            run_id = runs[0].info.run_id
-        else:
-            run_id = client.create_run(experiment_id, tags={"eft.run_uri": run_uri},
-                                       run_name=run_uri.rstrip("/").rsplit("/", 1)[-1]).info.run_id
-            items = [Param(key, str(value)[:500]) for key, value in params.items()]
-            for i in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
-                client.log_batch(run_id, params=items[i:i + 100])
-        self.client, self.run_id = client, run_id
+        self.client, self.run_id = client, find_mlflow_run(client, settings, run_uri, params)
         return client
 
     def _disable(self, key: str, err: Exception) -> None:
@@ -256,6 +243,39 @@ class MlflowSink:
         log.warning("MLflow at %s did not answer within %.0f s: %d of %d batches sent, the rest given up; "
                     "training goes on", self.tracking_uri, self.finish_timeout_s, self.sent, self.logged)
         return False
+
+
+def find_mlflow_run(client, settings: dict, run_uri: str, params: Optional[dict] = None) -> str:
+    """The MLflow run of an eft run (tagged `eft.run_uri`), created with `params` when absent."""
+    from mlflow.entities import Param
+
+    experiment = settings.get("MLFLOW_EXPERIMENT_NAME", "eft")
+    found = client.get_experiment_by_name(experiment)
+    experiment_id = found.experiment_id if found else client.create_experiment(experiment)
+    runs = client.search_runs([experiment_id], filter_string=f"tags.`eft.run_uri` = '{run_uri}'", max_results=1)
+    if runs:
+        return runs[0].info.run_id
+    run_id = client.create_run(experiment_id, tags={"eft.run_uri": run_uri},
+                               run_name=run_uri.rstrip("/").rsplit("/", 1)[-1]).info.run_id
+    items = [Param(key, str(value)[:500]) for key, value in (params or {}).items()]
+    for i in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
+        client.log_batch(run_id, params=items[i:i + 100])
+    return run_id
+
+
+def log_to_mlflow(settings: dict, run_uri: str, record: dict) -> None:
+    """One record's scalars at its step into the eft run's MLflow run, from outside the workers
+    (an evaluation task), with the same short patience as the sink."""
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    os.environ.update(settings)
+    for key, value in MLFLOW_PATIENCE.items():
+        os.environ.setdefault(key, value)
+    client = MlflowClient(settings["MLFLOW_TRACKING_URI"])
+    now = int(time.time() * 1000)
+    client.log_batch(find_mlflow_run(client, settings, run_uri),
+                     metrics=[Metric(k, v, now, record["step"]) for k, v in scalars_of(record).items()])
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:

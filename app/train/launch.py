@@ -23,6 +23,8 @@ from app.data.stream import document_isolation
 from app.elastic import checkpoint as ckpt
 from app.elastic.controller import NodeWatcher, build_controller_callbacks
 from app.elastic.resume import check_resume
+from app.eval.during import build_validation_config
+from app.eval.sets import load_eval_set
 from app.model.architecture import ModelError, check_lora_targets, check_seq_len, load_model_config
 from app.model.loss import check_loss_setup
 from app.observe import records
@@ -61,6 +63,8 @@ def preflight(cfg: JobConfig, store: Store) -> dict:
     if cfg.lora is not None:
         check_lora_targets(cfg.lora, model_config, cfg.model.uri)
     check_loss_setup(cfg, model_config)
+    if cfg.eval is not None and cfg.eval.every_checkpoints:
+        load_eval_set(store, cfg.eval)  # a bad eval set is one line now, not a warning per checkpoint
     return manifest
 
 
@@ -105,6 +109,7 @@ def build_trainer(cfg: JobConfig, store: Store, train_fn=None, fence: Fence | No
                                          max_preemption_failures=cfg.fault_tolerance.max_preemption_failures),
             callbacks=callbacks or None,
         ),
+        validation_config=build_validation_config(cfg, mlflow_settings()),
     )
 
 

@@ -34,6 +34,7 @@ from app.elastic import checkpoint as ckpt
 from app.elastic.grow import GrowRequests, build_grow_requests
 from app.elastic.preemption import PreemptionWatcher, build_preemption_watcher, state_bytes
 from app.elastic.resume import build_lineage
+from app.eval.during import should_validate
 from app.lease import Fence
 from app.model.build import build_model, count_parameters, resolve_precision, trainable_parameters
 from app.model.dropout import apply_row_dropout
@@ -503,7 +504,8 @@ def maybe_checkpoint(w: Worker) -> None:
         rec.metrics.flush()
         ckpt.save(cfg, w.store, w.model.module, w.model.optimizer, step=step, rows_consumed=p.rows_consumed,
                   world_size=w.world, metrics=rec.metrics.latest(), rank=w.rank, lineage=w.data.lineage,
-                  wait_for_upload=wait_for_upload, lease_epoch=w.fence.epoch if w.fence is not None else None)
+                  wait_for_upload=wait_for_upload, lease_epoch=w.fence.epoch if w.fence is not None else None,
+                  validate=should_validate(cfg, step, periodic, last))
     if watch.preemption is not None:
         watch.preemption.record_save(time.monotonic() - began, uploaded=wait_for_upload)
     rec.heartbeat.beat(step, force=True)

@@ -1,0 +1,96 @@
+"""Evaluation on checkpoints while training goes on, through Ray Train V2's validation hook.
+
+The workers report every `eval.every_checkpoints`-th periodic checkpoint (and the last) with
+`validation=True`; Ray Train's controller then runs `validate_checkpoint` on it in a Ray task of
+its own (`eval.cpus_per_actor` CPUs, a GPU when the workers have them), one at a time, while the
+workers keep stepping. The task scores the checkpoint in its own process (the same batches, so the
+same predictions, as `eft eval`), writes `<run>/eval/step-N/`, and sends `eval_<metric>` at the
+checkpoint's step to TensorBoard and MLflow. Any failure is a warning and an empty result: training
+never waits on, or fails for, an evaluation.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+log = logging.getLogger("eft.eval")
+
+
+def should_validate(cfg, step: int, periodic: bool, last_step: int) -> bool:
+    """Every `every_checkpoints`-th periodic save, and the last step's."""
+    every = cfg.eval.every_checkpoints if cfg.eval is not None else 0
+    if not every or not periodic:
+        return False
+    return step == last_step or (step // cfg.checkpoint.save_every_steps) % every == 0
+
+
+def build_validation_config(cfg, mlflow: Optional[dict]):
+    """The trainer's ValidationConfig, or None when evaluation on checkpoints is off."""
+    if cfg.eval is None or not cfg.eval.every_checkpoints:
+        return None
+    from ray.train.v2.api.validation_config import ValidationConfig, ValidationTaskConfig
+
+    resources = {"num_cpus": cfg.eval.cpus_per_actor, "max_retries": 0}
+    if cfg.scaling.use_gpu:
+        resources["num_gpus"] = 1
+    return ValidationConfig(
+        fn=validate_checkpoint,
+        task_config=ValidationTaskConfig(fn_kwargs={"cfg": cfg.model_dump(mode="json"), "mlflow": mlflow},
+                                         timeout_s=cfg.eval.timeout_s),
+        ray_remote_kwargs=resources)
+
+
+def validate_checkpoint(checkpoint, cfg: dict, mlflow: Optional[dict] = None) -> dict:
+    """Ray Train's validation function: the checkpoint's score as `eval_<metric>`, or {} on failure."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s [eft] %(message)s")
+    try:
+        from app.config import JobConfig
+        from app.eval.run import run_eval
+        from app.storage import Store, join
+
+        job = JobConfig.model_validate(cfg)
+        store = Store.from_config(job.storage)
+        name = str(checkpoint.path).rstrip("/").rsplit("/", 1)[-1]
+        results = run_eval(job, store, checkpoint=join(job.run_uri, name), in_process=True)
+        record = {"step": results["step"], f"eval_{results['metric']}": results["score"],
+                  f"eval_{results['metric']}_low": results["interval"][0],
+                  f"eval_{results['metric']}_high": results["interval"][1]}
+        publish_scalars(store, job.run_uri, record, mlflow)
+        return record
+    except Exception as err:  # noqa: BLE001: an evaluation never fails the run
+        log.warning("eval of %s failed, training goes on: %s: %s", getattr(checkpoint, "path", checkpoint),
+                    type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+        return {}
+
+
+def publish_scalars(store, run_uri: str, record: dict, mlflow: Optional[dict]) -> None:
+    """The score into the run's TensorBoard directory (an event file of its own, which TensorBoard
+    reads beside the workers') and its MLflow run; either failing is a warning."""
+    from app.storage import join
+
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+
+        with tempfile.TemporaryDirectory(prefix="eft-eval-tb-") as tmp:
+            writer = SummaryWriter(tmp)
+            for key, value in record.items():
+                if key != "step":
+                    writer.add_scalar(key, value, record["step"])
+            writer.close()
+            for path in Path(tmp).iterdir():
+                name = f"events.out.tfevents.{time.time_ns() // 10**6:013d}.eval-{record['step']:08d}.{socket.gethostname()}"
+                store.write_bytes(join(run_uri, "tensorboard", name), path.read_bytes())
+    except Exception as err:  # noqa: BLE001
+        log.warning("eval: TensorBoard event file not written (%s)", err)
+    if mlflow:
+        try:
+            from app.observe.sinks import log_to_mlflow
+
+            log_to_mlflow(mlflow, run_uri, record)
+        except Exception as err:  # noqa: BLE001
+            log.warning("eval: MLflow not updated (%s)", err)

@@ -1,0 +1,201 @@
+"""`eft eval`: one model of a run scored on the eval set, results under `<run>/eval/<label>/`.
+
+set (validated, fingerprinted) → the model to score (base, a checkpoint, an export) → prompts
+rendered in the training format → the engine (Ray Data actor pool, or in this process inside a
+validation task) → predictions decoded and scored → predictions.jsonl, then results.json.
+Everything that can be wrong with the set, the config or the checkpoint is found before a model
+is loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+import numpy as np
+
+from app.config import JobConfig
+from app.eval.render import PromptRenderer
+from app.eval.results import save_results, step_label
+from app.eval.score import bootstrap_interval, score_choices, score_generation
+from app.eval.sets import GENERATION, EvalSet, load_eval_set, pick_metric
+from app.storage import Store, join
+
+log = logging.getLogger("eft.eval")
+
+
+class EvalError(RuntimeError):
+    """An evaluation that cannot run as asked; one line naming the checkpoint, URI or key."""
+
+
+def resolve_source(cfg: JobConfig, store: Store, checkpoint: str = "latest") -> dict:
+    """`--checkpoint latest | base | STEP | URI` → what to load, its label and its step.
+    A URI may be a checkpoint, an export (its merged model, else its adapter on model.uri), or any
+    Hugging Face model directory."""
+    from app.elastic.checkpoint import (check_complete, checkpoint_dir_name, find_latest_checkpoint,
+                                        load_train_state)
+
+    def from_checkpoint(uri: str) -> dict:
+        step = load_train_state(store, uri).get("step")
+        return {"kind": "checkpoint", "checkpoint_uri": uri, "step": step, "label": step_label(step),
+                "cfg": cfg.model_dump(mode="json")}
+
+    if checkpoint == "base":
+        return {"kind": "base", "model_uri": cfg.model.uri, "step": 0, "label": "base"}
+    if checkpoint == "latest":
+        latest = find_latest_checkpoint(store, cfg.run_uri)
+        if latest is None:
+            raise EvalError(f"{cfg.run_uri}: no complete checkpoint to evaluate (train first, or pass "
+                            f"--checkpoint base)")
+        return from_checkpoint(latest)
+    if checkpoint.isdigit():
+        uri = join(cfg.run_uri, checkpoint_dir_name(int(checkpoint)))
+        problem = check_complete(store, uri)
+        if problem is not None:
+            raise EvalError(f"--checkpoint {checkpoint}: {uri} is not a complete checkpoint ({problem})")
+        return from_checkpoint(uri)
+    uri = checkpoint.rstrip("/")
+    if store.exists(join(uri, "export.json")):
+        summary = store.read_json(join(uri, "export.json"))
+        label = f"export-{step_label(summary['step'])}" if summary.get("step") is not None else "export"
+        if summary.get("merged_uri"):
+            return {"kind": "export", "model_uri": summary["merged_uri"], "step": summary.get("step"), "label": label}
+        return {"kind": "export", "model_uri": summary.get("base_model_uri") or cfg.model.uri,
+                "adapter_uri": summary["adapter_uri"], "step": summary.get("step"), "label": label}
+    if store.exists(join(uri, "config.json")):
+        return {"kind": "model", "model_uri": uri, "step": None, "label": "model-" + uri.rsplit("/", 1)[-1]}
+    if store.exists(join(uri, "adapter_config.json")):
+        return {"kind": "model", "model_uri": cfg.model.uri, "adapter_uri": uri, "step": None,
+                "label": "adapter-" + uri.rsplit("/", 1)[-1]}
+    problem = check_complete(store, uri)
+    if problem is None:
+        return from_checkpoint(uri)
+    raise EvalError(f"--checkpoint {checkpoint}: not a checkpoint, an export or a model directory ({problem})")
+
+
+def load_source_tokenizer(cfg: JobConfig, store: Store, source: dict):
+    """The tokenizer and chat template the model was trained with: an export's (or a model
+    directory's) own; for the base and checkpoints the one export would give them."""
+    from transformers import AutoTokenizer
+
+    from app.export import export_tokenizer
+
+    if source["kind"] in ("export", "model"):
+        return AutoTokenizer.from_pretrained(str(store.cache_locally(source.get("adapter_uri") or source["model_uri"])))
+    return export_tokenizer(cfg, store)
+
+
+def training_format(cfg: JobConfig, store: Store, tokenizer) -> str:
+    """The format the run's examples were rendered in: prepare.format, else the dataset's."""
+    if cfg.prepare is not None:
+        return cfg.prepare.format
+    from app.data.manifest import read_committed_manifest
+
+    manifest = read_committed_manifest(store, cfg.data.uri) or {}
+    fmt = manifest.get("source", {}).get("format")
+    return fmt or ("chat" if tokenizer.chat_template else "text")
+
+
+def build_rows(eval_set: EvalSet, renderer: PromptRenderer, batch_size: int) -> list[dict]:
+    """One row per record: its prompt ids (and choices'), and a batch id fixed here. Records are
+    batched by length (less padding), ties in record order."""
+    rows = []
+    for record in eval_set.records:
+        row = {"index": record.index, "input_ids": renderer.ids(record)}
+        if eval_set.kind != GENERATION:
+            row["choice_ids"] = renderer.choice_ids(record)
+        rows.append(row)
+    order = sorted(range(len(rows)), key=lambda i: (len(rows[i]["input_ids"])
+                                                    + max((len(c) for c in rows[i].get("choice_ids", [])), default=0), i))
+    for position, i in enumerate(order):
+        rows[i]["batch_id"] = position // batch_size
+    return rows
+
+
+def run_eval(cfg: JobConfig, store: Optional[Store] = None, checkpoint: str = "latest", limit: Optional[int] = None,
+             in_process: bool = False, source: Optional[dict] = None) -> dict:
+    """Score one model of `cfg`'s run on `eval.uri`; returns results.json's content plus `examples`."""
+    if cfg.eval is None:
+        raise EvalError("eval: section missing (eval.uri names the eval set)")
+    ecfg = cfg.eval
+    store = store or Store.from_config(cfg.storage)
+    started = time.monotonic()
+    eval_set = load_eval_set(store, ecfg, limit)
+    metric = pick_metric(ecfg, eval_set.kind)
+    source = source or resolve_source(cfg, store, checkpoint)
+    tokenizer = load_source_tokenizer(cfg, store, source)
+    renderer = PromptRenderer(tokenizer, tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None,
+                              training_format(cfg, store, tokenizer))
+    rows = build_rows(eval_set, renderer, ecfg.batch_size)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else renderer.stop_ids[0]
+    settings = {"kind": eval_set.kind, "max_new_tokens": ecfg.max_new_tokens, "temperature": ecfg.temperature,
+                "seed": ecfg.seed, "stop_ids": renderer.stop_ids, "pad_id": pad_id}
+    log.info("eval %s (%s) on %d %s records of %s, rendered as %s", source["label"], source["kind"],
+             len(rows), eval_set.kind.replace("_", "-"), ecfg.uri, renderer.mode)
+    outputs = run_engine(cfg, store, rows, source, settings, in_process)
+    predictions, correct, extra = score_outputs(eval_set, outputs, tokenizer, metric, ecfg)
+    low, high = bootstrap_interval(np.asarray(correct), seed=ecfg.seed)
+    results = {
+        "label": source["label"], "metric": metric, "score": float(np.mean(correct)), "n": len(correct),
+        "interval": [low, high], "interval_level": 0.95, "metrics": extra,
+        "step": source.get("step"), "checkpoint": {k: source.get(k) for k in
+                                                    ("kind", "checkpoint_uri", "model_uri", "adapter_uri")},
+        "run_uri": cfg.run_uri, "base_model_uri": cfg.model.uri, "eval_set": {**eval_set.describe(), "limit": limit},
+        "rendering": renderer.mode,
+        "decoding": ({"greedy": ecfg.temperature == 0, "temperature": ecfg.temperature, "seed": ecfg.seed,
+                      "max_new_tokens": ecfg.max_new_tokens, "stop_token_ids": renderer.stop_ids,
+                      "batch_size": ecfg.batch_size, "padding": "left"}
+                     if eval_set.kind == GENERATION else {"scoring": "log-likelihood", "batch_size": ecfg.batch_size}),
+        "num_actors": 1 if in_process else ecfg.num_actors, "wall_s": round(time.monotonic() - started, 3),
+        "created_at": time.time(),
+    }
+    save_results(store, cfg.run_uri, source["label"], predictions, results)
+    log.info("eval %s: %s %.4f (95%% interval %.4f-%.4f) on %d records", source["label"], metric,
+             results["score"], low, high, len(correct))
+    return {**results, "examples": predictions[:3]}
+
+
+def run_engine(cfg: JobConfig, store: Store, rows: list[dict], source: dict, settings: dict, in_process: bool) -> dict:
+    from app.eval.engine import run_in_process, run_pipeline, run_vllm, vllm_available
+
+    ecfg, use_gpu = cfg.eval, cfg.scaling.use_gpu
+    vllm = settings["kind"] == GENERATION and source.get("model_uri") and not source.get("adapter_uri") and (
+        ecfg.engine == "vllm" or (ecfg.engine == "auto" and use_gpu and vllm_available()))
+    if vllm:
+        if not vllm_available():
+            raise EvalError("eval.engine vllm: vLLM is not installed (pip install 'eft[vllm]')")
+        return run_vllm(rows, str(store.cache_locally(source["model_uri"])), settings, ecfg.num_actors)
+    if in_process:
+        return run_in_process(store, rows, source, settings, use_gpu)
+    return run_pipeline(store, rows, source, settings, ecfg.num_actors, ecfg.cpus_per_actor, use_gpu)
+
+
+def score_outputs(eval_set: EvalSet, outputs: dict, tokenizer, metric: str, ecfg) -> tuple[list, list, dict]:
+    """Predictions (one per record, in the set's order), `correct` under `metric`, and every metric
+    that applies to the set's kind."""
+    predictions, correct = [], []
+    tally: dict[str, list[bool]] = {}
+    for record in eval_set.records:
+        out = outputs[record.index]
+        row = {"index": record.index, "where": record.where}
+        row.update({"prompt": record.prompt} if record.prompt is not None else {"messages": record.messages})
+        if eval_set.kind == GENERATION:
+            text = tokenizer.decode(out["output_ids"], skip_special_tokens=True)
+            verdicts = {}
+            for m in ("exact_match", "contains") + (("regex",) if ecfg.answer_regex else ()):
+                verdicts[m], extracted = score_generation(text, record.answers, m, ecfg.normalize, ecfg.answer_regex)
+                if m == "regex":
+                    row["extracted"] = extracted
+            row.update(prediction=text, answer=record.answers[0] if len(record.answers) == 1 else record.answers,
+                       stopped=out["stopped"])
+        else:
+            verdicts = score_choices(out["choice_logprobs"], record.choices, record.answer_index)
+            row.update(choices=record.choices, answer=record.answer_index, choice_logprobs=out["choice_logprobs"],
+                       prediction=int(np.argmax(out["choice_logprobs"])))
+        for m, ok in verdicts.items():
+            tally.setdefault(m, []).append(bool(ok))
+        row["correct"] = bool(verdicts[metric])
+        correct.append(row["correct"])
+        predictions.append(row)
+    return predictions, correct, {m: float(np.mean(v)) for m, v in tally.items()}
