@@ -525,3 +525,18 @@ def test_installed_package_carries_the_crds_and_checks_from_any_directory(tmp_pa
                              capture_output=True, text=True, timeout=300)
     assert checked.returncode == 0, checked.stdout[-2000:] + checked.stderr[-2000:]
     assert checked.stdout.strip() == f"ok: {len(FILES)} manifest(s) pass the KubeRay CRD schemas and the policy checks"
+
+
+@pytest.mark.parametrize("overlay", ["base", "kueue"])
+def test_a_config_with_an_eval_set_renders_an_eval_job_too(overlay, schemas):
+    """`eft eval` of the latest checkpoint as a RayJob of the training job's shape; a config without an
+    eval section renders none."""
+    cfg = load_config(REFERENCE, ["eval.uri=s3://YOUR-BUCKET/eval/qa.jsonl", "eval.num_actors=2"])
+    docs = kube.build_manifests(cfg, overlay, IMAGE)
+    job, train = docs["rayjob-eval.yaml"], docs["rayjob.yaml"]
+    assert job["kind"] == "RayJob" and job["metadata"]["name"] == train["metadata"]["name"] + "-eval"
+    assert job["spec"]["entrypoint"] == "eft eval /config/job.yaml --checkpoint latest"
+    assert job["spec"]["rayClusterSpec"] == train["spec"]["rayClusterSpec"]
+    assert job["spec"].get("suspend") == train["spec"].get("suspend")
+    assert violations_of(docs, schemas) == []
+    assert "rayjob-eval.yaml" not in kube.build_manifests(load_config(REFERENCE), overlay, IMAGE)

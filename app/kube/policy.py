@@ -15,7 +15,7 @@ import yaml
 
 from app.config import ConfigError, JobConfig, build_config
 from app.kube.fabric import EFA_RESOURCE, NODE_TYPE_ANNOTATION, needs_fabric
-from app.kube.render import (API_TOKEN_MOUNT, CONFIG_MOUNT, DRAIN_ENV, ENTRYPOINT, GPU_RESOURCE,
+from app.kube.render import (API_TOKEN_MOUNT, CONFIG_MOUNT, DRAIN_ENV, ENTRYPOINT, EVAL_ENTRYPOINT, GPU_RESOURCE,
                              HEAD_CLIENT_PORTS, KUEUE_QUEUE_LABEL, RUN_LABEL, SAFE_TO_EVICT, SPOT_LABELS, TMP_MOUNT,
                              build_manifests, check_image, warn_image)
 from app.kube.schema import ERROR, WARNING, Violation, check_schema, format_path, load_schemas
@@ -321,8 +321,8 @@ def check_cluster_spec(spec: dict, at: str) -> list[tuple]:
 def check_ray_job(doc: dict) -> list[tuple]:
     spec = doc.get("spec") or {}
     out = []
-    if not str(spec.get("entrypoint", "")).startswith(ENTRYPOINT):
-        out.append(("spec.entrypoint", f"must run {ENTRYPOINT!r}"))
+    if not str(spec.get("entrypoint", "")).startswith((ENTRYPOINT, EVAL_ENTRYPOINT)):
+        out.append(("spec.entrypoint", f"must run {ENTRYPOINT!r} (or {EVAL_ENTRYPOINT!r})"))
     if spec.get("submissionMode", "K8sJobMode") != "K8sJobMode":
         out.append(("spec.submissionMode", "must be K8sJobMode"))
     if spec.get("shutdownAfterJobFinishes") is not True:

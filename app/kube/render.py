@@ -20,6 +20,8 @@ Hardening, in one place so the README and the policy check can name it:
 
 from __future__ import annotations
 
+import copy
+
 import math
 import re
 from dataclasses import dataclass
@@ -35,6 +37,7 @@ from app.nodes import NODE_TYPES, NodeType
 RAY_VERSION = "2.60.0"
 CONFIG_MOUNT = "/config"
 ENTRYPOINT = f"eft train {CONFIG_MOUNT}/job.yaml"
+EVAL_ENTRYPOINT = f"eft eval {CONFIG_MOUNT}/job.yaml --checkpoint latest"
 DRAIN_ENV = "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"
 SAFE_TO_EVICT = "cluster-autoscaler.kubernetes.io/safe-to-evict"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
@@ -454,10 +457,24 @@ def build_manifests(cfg: JobConfig, overlay_name: Optional[str], image: Optional
     cluster_spec["suspend"] = True  # a standing cluster for `ray job submit`; resume it by hand
     ray_cluster = {"apiVersion": "ray.io/v1", "kind": "RayCluster",
                    "metadata": {"name": name, "labels": labels, "annotations": annotations}, "spec": cluster_spec}
-    return {"configmap.yaml": config_map, "rayjob.yaml": ray_job, "raycluster.yaml": ray_cluster,
-            "serviceaccount.yaml": build_service_account(name, overlay),
-            "networkpolicy.yaml": build_network_policy(name),
-            "poddisruptionbudget.yaml": build_head_disruption_budget(name)}
+    manifests = {"configmap.yaml": config_map, "rayjob.yaml": ray_job, "raycluster.yaml": ray_cluster,
+                 "serviceaccount.yaml": build_service_account(name, overlay),
+                 "networkpolicy.yaml": build_network_policy(name),
+                 "poddisruptionbudget.yaml": build_head_disruption_budget(name)}
+    if cfg.eval is not None:
+        manifests["rayjob-eval.yaml"] = build_eval_job(ray_job, name)
+    return manifests
+
+
+def build_eval_job(ray_job: dict, name: str) -> dict:
+    """`eft eval` of the run's latest checkpoint on a cluster of the training job's shape (its GPU
+    workers hold the eval actors): submit it after training, or beside it for an interim score.
+    Results are committed last, so a retry simply scores again."""
+    job = copy.deepcopy(ray_job)
+    job["metadata"]["name"] = f"{name}-eval"
+    spec = job["spec"]
+    spec.update(entrypoint=EVAL_ENTRYPOINT, backoffLimit=1, activeDeadlineSeconds=ONE_DAY_S)
+    return job
 
 
 def dump_manifest(doc: dict) -> str:
