@@ -24,7 +24,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("observe", ("app.observe",)),
     ("elastic", ("app.elastic",)),
     ("plan", ("app.plan", "app.kube")),
-    ("train", ("app.train", "app.export")),
+    ("eval", ("app.export", "app.eval")),
+    ("train", ("app.train",)),
     ("front", ("app.cli", "app.report", "app.dev")),
 ]
 

@@ -7,6 +7,8 @@ S3 error response, through pyarrow / boto3, not a patched function).
   ones (the port stops listening) for `s` seconds, or until `restore()`.
 - `SlowDownProxy`: an HTTP/1.1 proxy that answers `503 SlowDown` (S3's XML error body) to a
   seeded fraction of requests and forwards the rest; it logs each request (method, path, body bytes, status).
+- `slow_validation`: an evaluation of a checkpoint that first waits (without using a CPU), for
+  `run_training(..., validation_fn=functools.partial(slow_validation, delay_s=...))`.
 """
 
 from __future__ import annotations
@@ -273,3 +275,11 @@ class SlowDownProxy:
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+def slow_validation(checkpoint, cfg: dict, mlflow: Optional[dict] = None, delay_s: float = 0.0) -> dict:
+    """A planted slow evaluation: sleeps `delay_s`, then scores the checkpoint as usual."""
+    from app.eval.during import validate_checkpoint
+
+    time.sleep(delay_s)
+    return validate_checkpoint(checkpoint, cfg, mlflow)

@@ -29,8 +29,9 @@ def should_validate(cfg, step: int, periodic: bool, last_step: int) -> bool:
     return step == last_step or (step // cfg.checkpoint.save_every_steps) % every == 0
 
 
-def build_validation_config(cfg, mlflow: Optional[dict]):
-    """The trainer's ValidationConfig, or None when evaluation on checkpoints is off."""
+def build_validation_config(cfg, mlflow: Optional[dict], fn=None):
+    """The trainer's ValidationConfig, or None when evaluation on checkpoints is off. `fn` stands in
+    for validate_checkpoint (same arguments)."""
     if cfg.eval is None or not cfg.eval.every_checkpoints:
         return None
     from ray.train.v2.api.validation_config import ValidationConfig, ValidationTaskConfig
@@ -39,7 +40,7 @@ def build_validation_config(cfg, mlflow: Optional[dict]):
     if cfg.scaling.use_gpu:
         resources["num_gpus"] = 1
     return ValidationConfig(
-        fn=validate_checkpoint,
+        fn=fn or validate_checkpoint,
         task_config=ValidationTaskConfig(fn_kwargs={"cfg": cfg.model_dump(mode="json"), "mlflow": mlflow},
                                          timeout_s=cfg.eval.timeout_s),
         ray_remote_kwargs=resources)

@@ -199,6 +199,9 @@ class MlflowSink:
     def _connect(self):
         if self.client is not None:
             return self.client
+        # mlflow.entities first, as `log` (on the caller's thread) imports it: importing
+        # mlflow.tracking first here raced it into a partially initialized module.
+        from mlflow.entities import Param  # noqa: F401
         from mlflow.tracking import MlflowClient
 
         settings, run_uri, params = self._start_args

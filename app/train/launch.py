@@ -80,7 +80,7 @@ def check_objective_fits(cfg: JobConfig, manifest: dict) -> None:
                          f"training.objective to dpo, simpo or orpo)")
 
 
-def build_trainer(cfg: JobConfig, store: Store, train_fn=None, fence: Fence | None = None):
+def build_trainer(cfg: JobConfig, store: Store, train_fn=None, fence: Fence | None = None, validation_fn=None):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -109,13 +109,15 @@ def build_trainer(cfg: JobConfig, store: Store, train_fn=None, fence: Fence | No
                                          max_preemption_failures=cfg.fault_tolerance.max_preemption_failures),
             callbacks=callbacks or None,
         ),
-        validation_config=build_validation_config(cfg, mlflow_settings()),
+        validation_config=build_validation_config(cfg, mlflow_settings(), validation_fn),
     )
 
 
-def run_training(cfg: JobConfig, store: Store | None = None, train_fn=None, wait_s: float | None = None) -> dict:
+def run_training(cfg: JobConfig, store: Store | None = None, train_fn=None, wait_s: float | None = None,
+                 validation_fn=None) -> dict:
     """Preflight → the run lease → trainer.fit() → summary.json. Returns the summary. `train_fn`
-    wraps the worker loop (tests inject faults with it). `wait_s`: wait up to this long for a
+    wraps the worker loop (tests inject faults with it), `validation_fn` stands in for the
+    evaluation of checkpoints (a benchmark plants a slow one). `wait_s`: wait up to this long for a
     run lease another driver holds, instead of refusing at once."""
     store = store or Store.from_config(cfg.storage)
     preflight(cfg, store)
@@ -130,12 +132,12 @@ def run_training(cfg: JobConfig, store: Store | None = None, train_fn=None, wait
         except BaseException:
             lease.stop(discard=True)  # refused by the cluster: a run that never started leaves nothing
             raise
-        return train_holding(cfg, store, lease, train_fn)
+        return train_holding(cfg, store, lease, train_fn, validation_fn)
     finally:
         lease.stop()
 
 
-def train_holding(cfg: JobConfig, store: Store, lease, train_fn=None) -> dict:
+def train_holding(cfg: JobConfig, store: Store, lease, train_fn=None, validation_fn=None) -> dict:
     started = time.time()
     resumed = ckpt.find_latest_checkpoint(store, cfg.run_uri) is not None
     # The resolved config is stored with every run; it holds no credentials by construction.
@@ -146,7 +148,7 @@ def train_holding(cfg: JobConfig, store: Store, lease, train_fn=None) -> dict:
     reader = hold_reader_lease(store, cfg.data.uri, cfg.run_uri)
     watcher = NodeWatcher().start() if cfg.scaling.min_workers < cfg.scaling.max_workers else None
     try:
-        build_trainer(cfg, store, train_fn, fence=lease.fence()).fit()
+        build_trainer(cfg, store, train_fn, fence=lease.fence(), validation_fn=validation_fn).fit()
     except Exception as err:  # the summary records the failure; the CLI re-raises it
         status, error = "failed", err
     finally:

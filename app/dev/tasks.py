@@ -1,0 +1,38 @@
+"""A task the demo's chat fine-tune visibly learns, scored by exact match on prompts it never saw.
+
+Parity of a whole number: "Is 4821 even or odd?" → "odd". The tiny pre-trained base (app/dev/tiny.py)
+answers it with prose (0% exact match); a LoRA fine-tune of ~200 steps answers new numbers right.
+Chosen over comparing two numbers or reversing digits because the answer depends on one token at a
+fixed distance from the end of the prompt (the BPE tokenizer splits numbers into single digits, so
+the last digit always sits just before " even or odd?"), which a ~0.8M-parameter base with rank-8
+adapters learns in the demo's step budget; copying and comparing digits it does not.
+"""
+
+from __future__ import annotations
+
+import random
+
+TASK_NAME = "parity"
+TASK_QUESTION = "Is {number} even or odd?"
+# Numbers of 2 to 5 digits: ~100k distinct prompts, so held-out ones are new numbers, not repeats.
+NUMBER_RANGE = (10, 100_000)
+
+
+def answer_parity(number: int) -> str:
+    return "odd" if number % 2 else "even"
+
+
+def build_task_records(n_train: int, n_eval: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
+    """(training conversations `{"messages": [user, assistant]}`, held-out `{"prompt", "answer"}`), from
+    distinct numbers drawn once: eval numbers are never trained on, so a right answer is the rule
+    generalised, not a memorised reply. Deterministic for a seed."""
+    low, high = NUMBER_RANGE
+    if n_train + n_eval > high - low:
+        raise ValueError(f"at most {high - low} distinct numbers; asked for {n_train + n_eval}")
+    numbers = random.Random(seed).sample(range(low, high), n_train + n_eval)
+    held_out, train = numbers[:n_eval], numbers[n_eval:]
+    conversations = [{"messages": [{"role": "user", "content": TASK_QUESTION.format(number=n)},
+                                   {"role": "assistant", "content": answer_parity(n)}]} for n in train]
+    evals = [{"prompt": TASK_QUESTION.format(number=n), "answer": answer_parity(n)} for n in held_out]
+    assert not {c["messages"][0]["content"] for c in conversations} & {e["prompt"] for e in evals}
+    return conversations, evals
