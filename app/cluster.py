@@ -5,16 +5,24 @@ token auth, and the token lives in a file only this user can read (never in `~/.
 fresh machine does not have and which another cluster's token may occupy). Ray finds the token
 through its documented variables, `RAY_AUTH_MODE=token` and `RAY_AUTH_TOKEN_PATH`, which the
 processes of the cluster inherit from the one that starts them.
+
+`map_on_actor_pool` runs a Ray Data actor pool (eval's scorers, the reference pass) so that a lost
+actor costs only the blocks it had not returned.
 """
 
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import secrets
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
+from typing import Iterator
+
+log = logging.getLogger("eft.cluster")
 
 AUTH_MODE_ENV = "RAY_AUTH_MODE"
 TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
@@ -109,3 +117,62 @@ def init_ray(num_cpus: int | None = None, **kwargs) -> None:
     # The dashboard serves the state API that Ray Train's placement-group cleaner polls.
     # address="local": never join some other cluster that happens to run on this machine.
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, **kwargs)
+
+
+# How many times a pool may lose an actor (a node reclaimed, a process killed) before the pass fails.
+ACTOR_LOSSES_RIDDEN = 3
+
+
+def is_actor_loss(err: BaseException) -> bool:
+    """An actor that died or became unreachable, anywhere in the exception's chain (Ray Data
+    wraps what its operators raise)."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, (ActorDiedError, ActorUnavailableError, RayActorError)):
+            return True
+        err = getattr(err, "cause", None) or err.__cause__ or err.__context__
+    return False
+
+
+def map_on_actor_pool(blocks: list, udf: type, constructor_args: tuple, *, key: str, size: int,
+                      batch_format: str = "pyarrow", num_cpus: float = 1, num_gpus: float = 0,
+                      what: str = "actor pool") -> Iterator:
+    """Each Arrow table of `blocks` through `udf` (a Ray Data callable class) on `size` actors, one
+    block a call, yielding the output batches. `key` names a column each block and its output both
+    carry (every input value comes back in the output).
+
+    The actors start with max_restarts=0, and a lost actor is ridden out here instead: the blocks
+    whose keys have not all come back run again on a new pool (up to ACTOR_LOSSES_RIDDEN times).
+    A block's output depends on the block alone, so a block run twice gives what it gave once.
+    Ray Data's own restarts (max_restarts=-1) pass the actor the operator's object refs, and on
+    every pool start Ray's core worker logs an error-level line that a restart might fail
+    (ray-project/ray#57733: the refs do stay alive, so it is noise a user should not see)."""
+    import ray.data
+
+    seen: set = set()
+    for losses in range(ACTOR_LOSSES_RIDDEN + 1):
+        todo = [b for b in blocks if not set(b.column(key).to_pylist()) <= seen]
+        if not todo:
+            return
+        with warnings.catch_warnings():
+            # max_restarts has no named parameter in Ray 2.60; the extra-kwargs route it takes is
+            # deprecated for removal in 2.64 (the pin is <2.61).
+            warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
+            ds = ray.data.from_arrow(todo).map_batches(
+                udf, batch_format=batch_format, batch_size=None, max_restarts=0,
+                compute=ray.data.ActorPoolStrategy(size=min(size, len(todo))),
+                num_cpus=num_cpus, num_gpus=num_gpus, fn_constructor_args=constructor_args)
+        try:
+            for batch in ds.iter_batches(batch_size=None, batch_format=batch_format):
+                keys = batch.column(key).to_pylist() if batch_format == "pyarrow" else list(batch[key])
+                seen.update(keys)
+                yield batch
+            return
+        except Exception as err:  # noqa: BLE001: only an actor's loss is ridden out
+            if losses == ACTOR_LOSSES_RIDDEN or not is_actor_loss(err):
+                raise
+            log.warning("%s: an actor was lost (%s); the blocks it had not returned run again on a new pool",
+                        what, type(err).__name__)

@@ -350,3 +350,20 @@ def test_status_and_report_show_base_against_tuned(tuned_run):
     markdown = store.read_text(join(cfg.run_uri, "report", "report.md"))
     assert "## Evaluation" in markdown and "| prompt | answer | base |" in markdown
     assert QUESTIONS[0] in markdown
+
+
+def test_the_demo_task_holds_out_numbers_it_never_trains_on():
+    import re
+
+    from app.dev.tasks import build_task_records
+
+    train, held = build_task_records(4000, 100)
+    assert (len(train), len(held)) == (4000, 100)
+    trained = {int(re.search(r"\d+", c["messages"][0]["content"]).group()) for c in train}
+    numbers = [int(re.search(r"\d+", e["prompt"]).group()) for e in held]
+    assert len(set(numbers)) == 100 and not trained & set(numbers)
+    assert all(e["answer"] == ("odd" if n % 2 else "even") for e, n in zip(held, numbers))
+    assert {e["answer"] for e in held} == {"odd", "even"}
+    assert all(c["messages"][1]["content"] == ("odd" if n % 2 else "even")
+               for c, n in zip(train, (int(re.search(r"\d+", c["messages"][0]["content"]).group()) for c in train)))
+    assert build_task_records(4000, 100) == (train, held)

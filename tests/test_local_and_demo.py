@@ -299,8 +299,8 @@ def test_local_up_refuses_a_token_file_that_holds_no_token(tmp_path):
 def test_make_demo_runs_end_to_end_on_a_fresh_home(tmp_path, new_user_shell, base_cache):
     """What `make demo` runs (`.venv/bin/eft demo`), from a shell with nothing set up: the demo
     starts its own stack in ./.eft, seeds the pre-trained chat base, previews one conversation,
-    fine-tunes, exports, asks the exported model a question through its chat template, and stops
-    the stack, printing no error-level line on the way. The base comes from this session's disk
+    scores the base on the task's held-out prompts, fine-tunes, exports, scores the export, asks it
+    a question through its chat template, and stops the stack, printing no error-level line on the way. The base comes from this session's disk
     cache (as on a second `make demo`): the stack above pre-trained it through the CLI."""
     home = tmp_path / "home"
     if any(base_cache.iterdir()):
@@ -323,6 +323,13 @@ def test_make_demo_runs_end_to_end_on_a_fresh_home(tmp_path, new_user_shell, bas
     assert len(answer) > 10, answer
     first, final = map(float, re.search(r"^train loss (\S+) → (\S+) over 12 steps$", out, re.MULTILINE).groups())
     assert final < first
+    # The headline: the task's held-out prompts scored on the base and on the export, the base at
+    # most 10% (12 steps are too few to ask the same of the tuned model; a full demo scores 100%).
+    assert re.search(r"^task: +100 held-out prompts of s3://eft/raw/parity-eval\.jsonl \(e\.g\. 'Is \d+ even or odd\?' → "
+                     r"'(even|odd)'\), exact_match$", out, re.MULTILINE), out[-3000:]
+    base_score, _ = map(float, re.search(
+        r"^score: +base (\S+)% \(95% \S+\) → fine-tuned (\S+)% \(95% \S+\)$", out, re.MULTILINE).groups())
+    assert base_score <= 10.0
     assert not (home / ".ray").exists()
     # The stack it started is gone: no state left, no process of it alive.
     assert not (tmp_path / ".eft" / "local.json").exists()

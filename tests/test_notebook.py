@@ -142,3 +142,24 @@ def test_notebook_previews_trains_exports_and_chats(executed):
     assert question and f"<|im_start|>user\n{question}" in rendered, rendered
     assert rendered.rstrip().endswith("<|im_start|>assistant"), rendered
     assert ast.literal_eval(answer.group(1)).replace("<|im_end|>", "").strip(), answer_cell
+
+
+def test_notebook_scores_base_and_tuned_on_one_plot(executed):
+    """The eval cell scores the base and the export on the held-out task prompts, and plots them
+    with the run's own scores of its checkpoints."""
+    from app.eval.results import load_results
+
+    nb, prefix = executed
+    cell = tagged(nb, "chat-eval")
+    assert has_png(cell)
+    out = stdout_of(cell)
+    base = re.search(r"^base:  exact_match (\S+)% on 100 held-out prompts$", out, re.MULTILINE)
+    tuned = re.search(rf"^tuned: exact_match (\S+)% \(the export of step {CHAT_STEPS}\)$", out, re.MULTILINE)
+    assert base and tuned, out
+    assert float(base.group(1)) <= 10.0
+    assert len(re.findall(r"^  'Is \d+ even or odd\?' \(answer '(?:even|odd)'\): base .+, tuned .+$", out,
+                          re.MULTILINE)) == 3, out
+    run_uri = load_config(CHAT_CONFIG, [f"name={prefix}-chat"]).run_uri
+    labels = [r["label"] for r in load_results(Store(), run_uri)]
+    step = f"{CHAT_STEPS:06d}"
+    assert labels == ["base", f"step-{step}", f"export-step-{step}"], labels

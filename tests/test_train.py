@@ -283,6 +283,30 @@ def test_eft_eval_on_1_and_3_actors_gives_the_validation_tasks_predictions(strai
     assert "95% interval" in out and "step-000012: examples" in out
 
 
+def test_an_eval_actor_lost_midway_costs_only_the_batches_it_had_not_returned(straight_run, tmp_path, monkeypatch,
+                                                                               caplog):
+    """An actor whose process exits at its first batch (as with its node reclaimed): the batches
+    not yet returned run again on a new pool, and the predictions are the validation task's."""
+    import app.eval.engine as engine
+    from app.dev.faults import ExitOnce
+    from app.eval.results import load_predictions
+    from app.eval.run import run_eval
+
+    cfg, _, _ = straight_run
+    store = Store()
+    during = load_predictions(store, cfg.run_uri, "step-000012")
+    marker = tmp_path / "exited"
+    monkeypatch.setattr(engine, "ScoreEval", type("ExitingScoreEval", (ExitOnce, engine.ScoreEval),
+                                                  {"marker": str(marker)}))
+    two = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"num_actors": 2})})
+    with caplog.at_level("WARNING", logger="eft.cluster"):
+        results = run_eval(two, store, checkpoint="12")
+    assert marker.exists()
+    assert any("eval: an actor was lost (ActorDiedError)" in r.getMessage() for r in caplog.records)
+    assert results["n"] == 12 and results["num_actors"] == 2
+    assert load_predictions(store, cfg.run_uri, "step-000012") == during
+
+
 def test_lora_checkpoint_holds_adapters_not_the_base(straight_run):
     cfg, summary, _ = straight_run
     store = Store()

@@ -179,20 +179,19 @@ def add_reference(cfg: JobConfig, store: Store, lease=None) -> dict:
 
 
 def run_reference_pass(cfg: JobConfig, store: Store, items: list[dict]) -> dict:
-    import ray.data
-
-    from app.cluster import init_ray
+    from app.cluster import init_ray, map_on_actor_pool
 
     init_ray(num_cpus=os.cpu_count())  # a Ray of its own only when none is joined or running
     p, use_gpu = cfg.preference, cfg.scaling.use_gpu
-    ds = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
-        ScoreReference, batch_size=1, batch_format="numpy",
-        compute=ray.data.ActorPoolStrategy(size=min(p.reference_num_actors, len(items))),
-        num_gpus=1 if use_gpu else 0, num_cpus=1,
-        fn_constructor_args=(store.endpoint, store.region, cfg.model.uri, p.reference_micro_batch_size,
-                             cfg.training.loss_chunk_tokens, use_gpu))
+    # One shard a block; a shard scored before an actor was lost is kept (ScoreReference skips it).
+    batches = map_on_actor_pool(
+        [pa.Table.from_pylist([item]) for item in items], ScoreReference,
+        (store.endpoint, store.region, cfg.model.uri, p.reference_micro_batch_size, cfg.training.loss_chunk_tokens,
+         use_gpu),
+        key="target", size=p.reference_num_actors, batch_format="numpy", num_gpus=1 if use_gpu else 0,
+        what="reference pass")
     results: dict = {"target": [], "rows": [], "scored": []}
-    for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
+    for batch in batches:
         for key in results:
             results[key] += batch[key].tolist()
     return results

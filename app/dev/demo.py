@@ -3,8 +3,11 @@
 Default job (jobs/configs/tiny-chat.yaml): a tiny Llama pre-trained on Python's own documentation
 (once per bucket, cached on disk) → conversations about Python answered from the same docs →
 chat prepare (one record previewed as training sees it) → LoRA + FSDP2 fine-tune on 2 CPU workers
-with periodic checkpoints → export (adapter + merged, chat template included) → the same question
-asked of the base and of the exported model through its own chat template → summary.
+with periodic checkpoints, each scored on the task while training goes on → export (adapter +
+merged, chat template included) → the same question asked of the base and of the exported model
+through its own chat template → summary. The headline is a task score: the conversations include
+a task the base cannot do (the parity of a number, app/dev/tasks.py), and `eft eval` scores the base
+and the export on 100 numbers the fine-tune never saw.
 
 `--config jobs/configs/tiny-cpu.yaml`: the text job on a random-init base, ending in a text sample.
 `--config jobs/configs/tiny-dpo.yaml`: DPO on preference pairs about the same docs (the chosen answer
@@ -15,6 +18,7 @@ once by the prepare step, ending in the reward margin and accuracy.
 from __future__ import annotations
 
 import ipaddress
+import json
 import logging
 import os
 import tempfile
@@ -76,11 +80,18 @@ def check_demo_bucket(cfg, store: Store, allow_remote: bool = False) -> None:
                 f"if s3://{bucket} there is yours)")
 
 
+# The demo's task: parity conversations mixed into the chat corpus, and held-out numbers to score.
+TASK_TRAIN = 4000
+TASK_EVAL = 100
+
+
 def ensure_inputs(cfg, store: Store, cache_dir: Optional[Path] = None) -> Optional[dict]:
     """The raw corpus and the base model the config points at, built here if absent. A chat job
-    (prepare.format chat) gets conversations and the pre-trained chat base (built once per bucket;
-    once per `cache_dir` when given); a text job the documents and a random-init base. Returns the
+    (prepare.format chat) gets conversations (about Python, and the parity task's) and the
+    pre-trained chat base (built once per bucket; once per `cache_dir` when given), and its eval set
+    the task's held-out prompts; a text job the documents and a random-init base. Returns the
     pre-train's report for a chat job."""
+    from app.dev.tasks import build_task_records
     from app.dev.tiny import (
         build_chat_corpus, build_corpus, build_preference_corpus, save_pretrained_base, save_tiny_base, write_jsonl,
     )
@@ -88,13 +99,18 @@ def ensure_inputs(cfg, store: Store, cache_dir: Optional[Path] = None) -> Option
     texts = build_corpus()
     fmt = cfg.prepare.format
     chat = fmt in CHAT_FORMATS
+    task_train, task_eval = build_task_records(TASK_TRAIN, TASK_EVAL) if fmt == "chat" else ([], [])
+    if task_eval and cfg.eval is not None and not store.exists(cfg.eval.uri):
+        store.write_text(cfg.eval.uri, "".join(json.dumps(r) + "\n" for r in task_eval))
+        log.info("wrote %d held-out task prompts to %s", len(task_eval), cfg.eval.uri)
     if not store.exists(cfg.prepare.input_uri):
-        records = (build_chat_corpus() if fmt == "chat" else build_preference_corpus() if fmt == "preference"
-                   else [{"text": t} for t in texts])
+        records = (build_chat_corpus() + task_train if fmt == "chat" else build_preference_corpus()
+                   if fmt == "preference" else [{"text": t} for t in texts])
         with tempfile.TemporaryDirectory() as tmp:
             path = write_jsonl(records, Path(tmp) / "corpus.jsonl")
             store.write_bytes(cfg.prepare.input_uri, path.read_bytes())
-        kind = {"chat": "conversations", "preference": "preference pairs"}.get(fmt, "documents")
+        kind = {"chat": f"conversations ({len(task_train)} of them the task's)",
+                "preference": "preference pairs"}.get(fmt, "documents")
         log.info("wrote %d %s to %s", len(records), kind, cfg.prepare.input_uri)
     if chat:
         report = save_pretrained_base(store, cfg.model.uri, texts=texts, cache_dir=cache_dir, log=log.info)
@@ -175,11 +191,23 @@ def report_rewards(store: Store, cfg, window: int = 10) -> int:
     return 0 if mean["loss"] < metrics[0]["loss"] and mean["reward_accuracy"] > 0.5 else 1
 
 
+def describe_task(cfg, results: dict) -> str:
+    example = results["examples"][0]
+    return (f"{results['n']} held-out prompts of {cfg.eval.uri} (e.g. {example.get('prompt')!r} → "
+            f"{example['answer']!r}), {results['metric']}")
+
+
+def format_score(results: dict) -> str:
+    low, high = results["interval"]
+    return f"{results['score']:.1%} (95% {low:.0%}-{high:.0%})"
+
+
 def run_demo(config_path: Optional[str] = None, state_dir: Path = Path(".eft"), max_steps: Optional[int] = None,
              keep_stack: bool = False, allow_remote_bucket: bool = False) -> int:
     from app.data.manifest import read_committed_manifest
     from app.data.prepare import prepare_dataset
     from app.data.reference import needs_reference
+    from app.eval.run import run_eval
     from app.export import export_run
     from app.report import render_summary
     from app.train.launch import run_training
@@ -206,8 +234,10 @@ def run_demo(config_path: Optional[str] = None, state_dir: Path = Path(".eft"), 
             manifest = prepare_dataset(cfg, store)
             log.info("prepared %d train rows", manifest["splits"]["train"]["rows"])
         before = chat_reply(cfg.model.uri, store) if chat else None
+        base_score = run_eval(cfg, store, checkpoint="base") if cfg.eval is not None else None
         summary = run_training(cfg, store)
         exported = export_run(cfg, merge=True, store=store)
+        tuned_score = run_eval(cfg, store, checkpoint=exported["export_uri"]) if cfg.eval is not None else None
         render_summary(summary)
         print(f"exported: {exported['adapter_uri']} (adapter), {exported['merged_uri']} (merged)")
         if pretrained:
@@ -222,6 +252,9 @@ def run_demo(config_path: Optional[str] = None, state_dir: Path = Path(".eft"), 
             print(f"sample:   {generate_sample(exported['merged_uri'], store)!r}")
         first, final = summary["first_train_loss"], summary["final_train_loss"]
         print(f"train loss {first:.4f} → {final:.4f} over {summary['steps']} steps")
+        if base_score is not None:
+            print(f"task:     {describe_task(cfg, base_score)}")
+            print(f"score:    base {format_score(base_score)} → fine-tuned {format_score(tuned_score)}")
         if cfg.training.objective != "sft":
             return report_rewards(store, cfg)
         return 0 if final < first else 1

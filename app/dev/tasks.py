@@ -1,11 +1,11 @@
 """A task the demo's chat fine-tune visibly learns, scored by exact match on prompts it never saw.
 
 Parity of a whole number: "Is 4821 even or odd?" → "odd". The tiny pre-trained base (app/dev/tiny.py)
-answers it with prose (0% exact match); a LoRA fine-tune of ~200 steps answers new numbers right.
-Chosen over comparing two numbers or reversing digits because the answer depends on one token at a
-fixed distance from the end of the prompt (the BPE tokenizer splits numbers into single digits, so
-the last digit always sits just before " even or odd?"), which a ~0.8M-parameter base with rank-8
-adapters learns in the demo's step budget; copying and comparing digits it does not.
+answers it with prose (0% exact match); the demo's LoRA fine-tune answers new numbers right (100%
+from step 50 of 100; 66% at step 25). Chosen because the answer depends on one token at a fixed
+distance from the end of the prompt (the BPE tokenizer splits numbers into single digits, so the
+last digit always sits just before " even or odd?"), which a ~0.8M-parameter base with rank-8
+adapters can learn within the demo's step budget on 2 CPU cores.
 """
 
 from __future__ import annotations

@@ -144,19 +144,14 @@ OUTPUT_SCHEMA = pa.schema([("index", pa.int64()), ("output_ids", pa.list_(pa.int
 def run_pipeline(store: Store, rows: list[dict], source: dict, settings: dict, num_actors: int,
                  cpus_per_actor: float, use_gpu: bool) -> dict[int, dict]:
     """Every row through the actor pool; {index: output row}."""
-    import ray.data
-
-    from app.cluster import init_ray
+    from app.cluster import init_ray, map_on_actor_pool
 
     init_ray(num_cpus=os.cpu_count())  # a Ray of its own only when none is joined or running
     blocks = build_blocks(rows)
-    ds = ray.data.from_arrow(blocks).map_batches(
-        ScoreEval, batch_format="pyarrow", batch_size=None,
-        compute=ray.data.ActorPoolStrategy(size=min(num_actors, len(blocks))),
-        num_cpus=cpus_per_actor, num_gpus=1 if use_gpu else 0,
-        fn_constructor_args=(store.endpoint, store.region, source, settings, use_gpu))
     out: dict[int, dict] = {}
-    for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+    for batch in map_on_actor_pool(blocks, ScoreEval, (store.endpoint, store.region, source, settings, use_gpu),
+                                   key="index", size=num_actors, num_cpus=cpus_per_actor,
+                                   num_gpus=1 if use_gpu else 0, what="eval"):
         for row in batch.to_pylist():
             out[row["index"]] = row
     return out

@@ -52,7 +52,8 @@ def load_results(store: Store, run_uri: str) -> list[dict]:
             found.append(store.read_json(join(run_uri, EVAL_DIR, label, RESULTS)))
         except (StorageError, OSError, ValueError):
             continue  # unfinished (no results.json yet) or unreadable: not a result
-    return sorted(found, key=lambda r: (r.get("step") is not None, r.get("step") or 0, r["label"]))
+    return sorted(found, key=lambda r: (r.get("step") is not None, r.get("step") or 0,
+                                        r["label"].startswith("export"), r["label"]))
 
 
 def load_predictions(store: Store, run_uri: str, label: str, limit: Optional[int] = None) -> list[dict]:
