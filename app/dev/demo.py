@@ -193,7 +193,8 @@ def report_rewards(store: Store, cfg, window: int = 10) -> int:
 
 def describe_task(cfg, results: dict) -> str:
     example = results["examples"][0]
-    return (f"{results['n']} held-out prompts of {cfg.eval.uri} (e.g. {example.get('prompt')!r} → "
+    prompt = example["prompt"] if "prompt" in example else example["messages"][-1]["content"]
+    return (f"{results['n']} held-out prompts of {cfg.eval.uri} (e.g. {prompt!r} → "
             f"{example['answer']!r}), {results['metric']}")
 
 
