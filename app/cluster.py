@@ -126,12 +126,12 @@ ACTOR_LOSSES_RIDDEN = 3
 def is_actor_loss(err: BaseException) -> bool:
     """An actor that died or became unreachable, anywhere in the exception's chain (Ray Data
     wraps what its operators raise)."""
-    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+    from ray.exceptions import RayActorError  # ActorDiedError and ActorUnavailableError among them
 
     seen = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
-        if isinstance(err, (ActorDiedError, ActorUnavailableError, RayActorError)):
+        if isinstance(err, RayActorError):
             return True
         err = getattr(err, "cause", None) or err.__cause__ or err.__context__
     return False
