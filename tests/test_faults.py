@@ -71,14 +71,20 @@ def assert_same_trajectory(metrics: list[dict], reference: list[dict]) -> None:
         assert loss == pytest.approx(want[step], rel=1e-6, abs=1e-9), step
 
 
-def test_a_20_second_storage_outage_mid_run_costs_time_not_the_run(s3, clean_run):
-    """The proxy drops every connection and refuses new ones for 20 s once the run is past step
-    2: Ray Train's controller, the workers' checkpoint uploads, the data stream, metrics and
-    heartbeats all ride it out; no torn checkpoint is ever resumed from."""
-    _, reference = clean_run
-    with TcpProxy(s3.endpoint) as proxy:
+def test_an_outage_throttling_and_a_dead_tracker_cost_time_not_the_run(s3, clean_run, monkeypatch, capfd):
+    """One run meets all three (one Ray Train start instead of one each): 503 SlowDown to ~10% of
+    all storage requests for the whole run; MLFLOW_TRACKING_URI at a closed port; and, once the run
+    is past step 2, a proxy that drops every connection and refuses new ones for 20 s. Ray Train's
+    controller, the workers' checkpoint uploads, the data stream, metrics and heartbeats all ride
+    it out; no torn checkpoint is ever resumed from; the run finishes identical to the clean one,
+    with a warning for MLflow."""
+    clean_summary, reference = clean_run
+    tracking_uri = f"http://127.0.0.1:{closed_port()}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_uri)
+    # The outage cuts TCP in front; the throttling answers behind it, as an S3 front end would.
+    with SlowDownProxy(s3.endpoint, fraction=0.1, seed=7) as throttle, TcpProxy(throttle.endpoint) as proxy:
         # Every checkpoint kept: one a restart resumed from is still there to be looked at.
-        cfg = make_cfg("outage", endpoint=proxy.endpoint, num_to_keep=STEPS // 4)
+        cfg = make_cfg("faulted", endpoint=proxy.endpoint, num_to_keep=STEPS // 4)
         seen: dict = {}
 
         def cut_mid_run() -> None:
@@ -100,28 +106,15 @@ def test_a_20_second_storage_outage_mid_run_costs_time_not_the_run(s3, clean_run
             seen["done"] = True
             cutter.join()
     assert proxy.refusals == 1 and 2 <= seen["step"] < STEPS  # the outage hit mid-run
+    assert throttle.log.count(503) >= 10  # the store really was throttling
     assert summary["status"] == "succeeded" and summary["steps"] == STEPS
+    assert summary["final_train_loss"] == pytest.approx(clean_summary["final_train_loss"], rel=1e-6)
     assert_same_trajectory(load_metrics(Store(), cfg.run_uri), reference)
     store = Store()
     for start in load_events(store, cfg.run_uri):
         resumed = start.get("resumed_from_step")
         if start["kind"] == "worker_group_start" and resumed:
             assert is_complete(store, join(cfg.run_uri, checkpoint_dir_name(resumed)))
-
-
-def test_throttling_and_a_dead_tracker_leave_the_run_unchanged(s3, clean_run, monkeypatch, capfd):
-    """503 SlowDown to ~10% of all storage requests for the whole run, and MLFLOW_TRACKING_URI
-    at a closed port: the run finishes identical to the clean one, with a warning for MLflow."""
-    clean_summary, reference = clean_run
-    tracking_uri = f"http://127.0.0.1:{closed_port()}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_uri)
-    with SlowDownProxy(s3.endpoint, fraction=0.1, seed=7) as proxy:
-        cfg = make_cfg("throttled", endpoint=proxy.endpoint)
-        summary = run_training(cfg)
-    assert proxy.log.count(503) >= 10  # the store really was throttling
-    assert summary["status"] == "succeeded" and summary["steps"] == STEPS
-    assert summary["final_train_loss"] == pytest.approx(clean_summary["final_train_loss"], rel=1e-6)
-    assert_same_trajectory(load_metrics(Store(), cfg.run_uri), reference)
     # Worker logs reach the driver's output through Ray's log monitor, a moment after the fact.
     out, deadline = "", time.monotonic() + 60
     while f"MLflow at {tracking_uri} failed" not in out and time.monotonic() < deadline:
