@@ -142,6 +142,35 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_model(args) -> int:
+    """`eft model pull hf://… [--to URI]`: mirror a hub model on its own (to feed clusters without
+    internet); `eft model ls URI`: the mirrors under a mirror root, with their shas."""
+    from app.hub import HubError, default_mirror_root, list_mirrors, mirror_model, parse_hub_uri
+    from app.storage import Store
+
+    if args.action == "ls":
+        store = Store(interactive=True)
+        store.check_reachable(args.target)
+        mirrors = list_mirrors(store, args.target)
+        if args.json:
+            print(json.dumps(mirrors, indent=2))
+        for m in [] if args.json else mirrors:
+            state = f"{m['files']} files, {m['bytes'] / 1e6:.1f} MB" if m["complete"] else "incomplete (cut off: not used)"
+            print(f"hf://{m['repo']}@{m['sha']}  {state}  {m['mirror_uri']}")
+        return 0
+    parse_hub_uri(args.target, key="eft model pull")  # a bad id is one line before anything else
+    root = args.to
+    if root is None and args.config:
+        cfg = _load(args)
+        root = cfg.model.mirror_uri or default_mirror_root(cfg.storage.root_uri)
+    if root is None:
+        raise HubError("eft model pull: where to? give --to s3://bucket/models-mirror (or --config JOB, whose "
+                       "model.mirror_uri or storage.root_uri decides)")
+    marker = mirror_model(Store(), args.target, root, allow_pickle=args.allow_pickle_weights)
+    print(f"hf://{marker['repo']}@{marker['sha']} -> {marker['mirror_uri']}")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from app.dev.demo import run_demo
 
@@ -296,6 +325,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "checkpoint of a step, or a checkpoint / export / model URI")
     p.add_argument("--limit", type=positive_int, default=None, metavar="N", help="score the first N records only")
     p.set_defaults(fn=cmd_eval)
+    p = sub.add_parser("model", help="mirror a hub model to storage (pull), or list the mirrors (ls)")
+    p.add_argument("action", choices=["pull", "ls"])
+    p.add_argument("target", metavar="hf://ORG/NAME[@REV]|URI", help="pull: the hub id; ls: a mirror root URI")
+    p.add_argument("--to", default=None, metavar="URI", help="pull: the mirror root (<URI>/<org>/<name>/<sha>/)")
+    p.add_argument("--config", default=None, help="pull: a job YAML whose model.mirror_uri (or storage.root_uri) "
+                                                  "is the mirror root")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
+    p.add_argument("--allow-pickle-weights", action="store_true",
+                   help="pull: mirror a repo that has only pickled weights (loading them runs code)")
+    p.add_argument("--json", action="store_true", help="ls: print the mirrors as JSON")
+    p.set_defaults(fn=cmd_model)
     p = sub.add_parser("demo", help="the whole pipeline on the embedded local stack")
     p.add_argument("--config", default=None, help="job YAML (default: jobs/configs/tiny-cpu.yaml)")
     p.add_argument("--state-dir", default=".eft")

@@ -67,10 +67,18 @@ class ModelConfig(_Strict):
 
     uri: str
     """Hugging Face model dir: `s3://bucket/prefix`, `file://` or a local path (config.json, safetensors
-    weights, tokenizer files)."""
+    weights, tokenizer files); or a hub id, `hf://ORG/NAME[@REVISION]` (branch, tag or commit sha;
+    default `main`), which the driver resolves to a commit sha and mirrors once to `mirror_uri`
+    (docs/hub.md)."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Storage dtype of the base weights. `auto`: bf16 for a LoRA base on GPU, fp32 otherwise (CPU has
     no fast bf16 matmul, and the tests want exact fp32)."""
+    mirror_uri: Optional[str] = None
+    """Where `hf://` models are mirrored, as `<mirror_uri>/<org>/<name>/<sha>/`; default
+    `<storage.root_uri>/../models-mirror` (beside the runs, in the same bucket)."""
+    allow_pickle_weights: bool = False
+    """Mirror and load a hub repo that has only pickled weights (`.bin`, `.pt`). Loading a pickle runs
+    the code it holds: leave off unless the repo is trusted."""
 
 
 class LoraConfig(_Strict):

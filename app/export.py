@@ -27,6 +27,7 @@ from typing import Optional
 from app.config import JobConfig
 from app.elastic.checkpoint import (check_complete, check_local_copy, find_latest_checkpoint, load_sidecar,
                                     load_train_state)
+from app.elastic.resume import resolve_run_model
 from app.model.architecture import ModelError
 from app.model.build import check_model_dir, load_pretrained
 from app.storage import Store, StorageError, join
@@ -51,6 +52,7 @@ def export_run(cfg: JobConfig, checkpoint_uri: Optional[str] = None, merge: bool
     and the URI of each output tree.
     """
     store = store or Store.from_config(cfg.storage)
+    cfg = resolve_run_model(cfg, store)
     # A person waits on this: an unreachable endpoint or a bad bucket is one line in seconds,
     # before the (patient) store starts reading checkpoints and weights.
     quick = Store(store.endpoint, store.region, interactive=True)

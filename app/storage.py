@@ -273,6 +273,40 @@ class Store:
         with fs.open_output_stream(path) as f:
             f.write(data)
 
+    def write_stream(self, uri: str, chunks) -> int:
+        """An object written from an iterable of byte chunks, never held whole in memory (S3: a
+        multipart upload through the retrying filesystem; locally a temp file, then a rename).
+        An iterable that fails midway leaves no object behind. Returns the bytes written."""
+        fs, path = self.resolve(uri)
+        written = 0
+        if isinstance(fs, pafs.LocalFileSystem):
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+            try:
+                with open(tmp, "wb") as f:
+                    for chunk in chunks:
+                        f.write(chunk)
+                        written += len(chunk)
+                os.replace(tmp, path)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+            return written
+        stream = fs.open_output_stream(path)
+        try:
+            for chunk in chunks:
+                stream.write(chunk)
+                written += len(chunk)
+        except BaseException:
+            # pyarrow's S3 stream has no abort: closing completes the upload, so the cut-off
+            # object is deleted right after (and whoever writes it keeps a marker of its own).
+            with contextlib.suppress(Exception):
+                stream.close()
+                fs.delete_file(path)
+            raise
+        stream.close()
+        return written
+
     def read_text(self, uri: str) -> str:
         return self.read_bytes(uri).decode()
 

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Lowest first. A module may import from its own layer or any below it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("ground", ("app", "app.compat", "app.batch", "app.nodes")),
-    ("base", ("app.config", "app.config_reference", "app.storage", "app.lease", "app.cluster")),
+    ("base", ("app.config", "app.config_reference", "app.storage", "app.lease", "app.cluster", "app.hub")),
     ("model", ("app.model",)),
     ("data", ("app.data",)),
     ("observe", ("app.observe",)),

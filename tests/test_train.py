@@ -519,10 +519,35 @@ def test_a_torn_checkpoint_directory_is_not_listed(straight_run):
         fs.delete_dir(torn)
 
 
-def test_ddp_loads_what_from_pretrained_loads_and_follows_the_fsdp_trajectory(straight_run):
+def test_ddp_loads_what_from_pretrained_loads_and_follows_the_fsdp_trajectory(straight_run, tmp_path, monkeypatch):
+    """The base given as a hub id (`hf://`, a stand-in hub on loopback, tests/hub_server.py): the
+    driver resolves it to a sha and mirrors it once; the workers read only the mirror. DDP loads
+    what from_pretrained loads and steps like the FSDP2 run."""
+    from hub_server import HubRepo, HubServer
+
+    from app.hub import MARKER
+
     _, _, reference = straight_run
-    cfg = make_cfg("ddp", training={"parallelism": "ddp", "max_steps": 3})
-    summary = run_checking_the_load(cfg)
+    Store().download_dir(BASE, tmp_path / "base")
+    with HubServer() as hub:
+        repo = HubRepo()
+        sha = repo.commit_dir(tmp_path / "base")
+        hub.repos["eft-tests/tiny-train"] = repo
+        monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+        monkeypatch.delenv("HF_TOKEN", raising=False)
+        cfg = make_cfg("ddp", model={"uri": "hf://eft-tests/tiny-train", "mirror_uri": "s3://eft/models-mirror-tests"},
+                       training={"parallelism": "ddp", "max_steps": 3})
+        summary = run_checking_the_load(cfg)
+        requests = dict(hub.requests)
+    mirror = f"s3://eft/models-mirror-tests/eft-tests/tiny-train/{sha}"
+    mirrored = Store().read_json(join(mirror, MARKER))["files"]
+    # One API call and one download per file, all by the driver: no worker asked the hub.
+    assert requests == {"api": 1, "download": len(mirrored)} and "model.safetensors" in mirrored
+    import yaml
+
+    assert yaml.safe_load(Store().read_text(join(cfg.run_uri, "config.yaml")))["model"]["uri"] == mirror
+    (resolved,) = [e for e in load_events(Store(), cfg.run_uri) if e["kind"] == "model_resolved"]
+    assert (resolved["repo"], resolved["revision"], resolved["sha"]) == ("eft-tests/tiny-train", "main", sha)
     assert_loaded_what_from_pretrained_loads(cfg, "ddp")
     metrics = load_metrics(Store(), cfg.run_uri)
     assert summary["status"] == "succeeded" and summary["steps"] == 3
@@ -646,7 +671,7 @@ def assert_loaded_what_from_pretrained_loads(cfg, parallelism: str) -> None:
     assert check["rotary_diff"] == 0.0
     assert check["lora_a_std"] > 0.01
     (loaded,) = [e for e in load_events(Store(), cfg.run_uri) if e["kind"] == "weights_loaded"]
-    model_dir_bytes = sum(Store().list_file_sizes(BASE).values())
+    model_dir_bytes = sum(Store().list_file_sizes(loaded["model_uri"]).values())  # BASE, or its hub mirror
     if parallelism == "fsdp":
         # Disjoint slices: the two ranks together read each weight byte once (+ headers, small files),
         # from storage or from the node's slice cache (an earlier load of BASE at this world size).

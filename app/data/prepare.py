@@ -48,6 +48,7 @@ from app.data.manifest import (
 from app.data.packing import Packer, source_key, validation_mask
 from app.data.reference import add_reference, needs_reference
 from app.model.architecture import check_seq_len, load_model_config
+from app.hub import resolve_model
 from app.storage import Store, StorageError, join
 
 log = logging.getLogger(__name__)
@@ -341,6 +342,7 @@ def prepare_dataset(cfg: JobConfig, store: Optional[Store] = None) -> dict:
     if cfg.prepare is None:
         raise PrepareError("config has no `prepare` section (set prepare.input_uri)")
     store = store or Store.from_config(cfg.storage)
+    cfg, _ = resolve_model(cfg, store)  # a hub id: its pinned mirror (tokenizer, reference model)
     preflight(cfg, store)
     started = time.monotonic()
     # One writer per dataset prefix: without the lease, two prepares would each delete the

@@ -24,6 +24,7 @@ import yaml
 
 from app.data.manifest import load_manifest
 from app.elastic import checkpoint as ckpt
+from app.hub import is_hub_uri, resolve_model
 from app.storage import Store, join
 
 log = logging.getLogger("eft.resume")
@@ -89,6 +90,16 @@ def load_run_config(store: Store, run_uri: str) -> Optional[dict]:
     except yaml.YAMLError as err:
         raise ValueError(f"{uri}: not valid YAML ({str(err).splitlines()[0]})") from None
     return tree if isinstance(tree, dict) else {}
+
+
+def resolve_run_model(cfg, store: Store):
+    """`cfg` with a hub id at the mirror its run was trained on (the commit in the run's stored
+    config), for what looks at a run after the fact (export, eval): a branch that moved since must
+    not change the base the adapters are applied to. A run not yet trained resolves afresh."""
+    if not is_hub_uri(cfg.model.uri):
+        return cfg
+    stored = load_run_config(store, cfg.run_uri) or {}
+    return resolve_model(cfg, store, pinned_uri=(stored.get("model") or {}).get("uri"))[0]
 
 
 def stored_lineage(store: Store, run_uri: str) -> tuple[Optional[str], Optional[dict]]:

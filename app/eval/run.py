@@ -16,6 +16,7 @@ from typing import Optional
 import numpy as np
 
 from app.config import JobConfig
+from app.elastic.resume import resolve_run_model
 from app.eval.render import PromptRenderer
 from app.eval.results import save_results, step_label
 from app.eval.score import bootstrap_interval, score_choices, score_generation
@@ -120,6 +121,7 @@ def run_eval(cfg: JobConfig, store: Optional[Store] = None, checkpoint: str = "l
         raise EvalError("eval: section missing (eval.uri names the eval set)")
     ecfg = cfg.eval
     store = store or Store.from_config(cfg.storage)
+    cfg = resolve_run_model(cfg, store)
     started = time.monotonic()
     eval_set = load_eval_set(store, ecfg, limit)
     metric = pick_metric(ecfg, eval_set.kind)

@@ -25,6 +25,7 @@ from app.elastic.controller import NodeWatcher, build_controller_callbacks
 from app.elastic.resume import check_resume
 from app.eval.during import build_validation_config
 from app.eval.sets import load_eval_set
+from app.hub import resolve_model
 from app.model.architecture import ModelError, check_lora_targets, check_seq_len, load_model_config
 from app.model.loss import check_loss_setup
 from app.observe import records
@@ -120,6 +121,8 @@ def run_training(cfg: JobConfig, store: Store | None = None, train_fn=None, wait
     evaluation of checkpoints (a benchmark plants a slow one). `wait_s`: wait up to this long for a
     run lease another driver holds, instead of refusing at once."""
     store = store or Store.from_config(cfg.storage)
+    # A hub id becomes its pinned mirror here, on the driver, before Ray: no worker asks the hub.
+    cfg, hub = resolve_model(cfg, store)
     preflight(cfg, store)
     cfg, why = apply_parallelism(cfg, store)
     log.info("training.parallelism %s: %s", cfg.training.parallelism, why)
@@ -132,6 +135,9 @@ def run_training(cfg: JobConfig, store: Store | None = None, train_fn=None, wait
         except BaseException:
             lease.stop(discard=True)  # refused by the cluster: a run that never started leaves nothing
             raise
+        if hub is not None:
+            records.record_event(store, cfg.run_uri, "model_resolved", repo=hub["repo"], revision=hub["revision"],
+                                 sha=hub["sha"], mirror_uri=hub["mirror_uri"])
         return train_holding(cfg, store, lease, train_fn, validation_fn)
     finally:
         lease.stop()

@@ -1,0 +1,289 @@
+"""`hf://ORG/NAME[@REVISION]` → a pinned commit sha → one mirror of the repo in storage.
+
+The driver resolves the revision (branch, tag or sha; `main` by default) to a commit sha and
+mirrors the files a run needs, once, to `<model.mirror_uri>/<org>/<name>/<sha>/`. Every later
+run, every node and every restart reads that mirror through the ranged per-rank loader: the hub
+is contacted by one process, never by a thousand workers. The mirror's marker (`MARKER`) is
+written last, so a mirror cut off halfway is never used; it is redone.
+
+A revision that is already a sha, with its mirror complete, costs no request at all: that is how
+a cluster without internet is fed (`eft model pull` elsewhere, then `hf://org/name@<sha>` or the
+mirror URI itself). A branch or tag costs one small API call to learn what it points at now.
+
+Safetensors only: pickled weights (`.bin`, `.pt`) run code when loaded, so a repo without
+safetensors is refused unless `model.allow_pickle_weights` says otherwise.
+
+The token (`HF_TOKEN` or huggingface_hub's own token file) is read here, on the driver, sent only
+to the hub, and never written: not to the config, the mirror, the marker or a log line.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass
+from typing import Optional
+from urllib.parse import urlparse
+
+from app.storage import Store, StorageError, join
+
+log = logging.getLogger("eft.hub")
+
+SCHEME = "hf://"
+DEFAULT_ENDPOINT = "https://huggingface.co"
+MARKER = "eft-mirror.json"
+SHA = re.compile(r"^[0-9a-f]{40}$")
+REPO_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+# What a run, prepare, export, eval and serve read from a model dir. Weights: safetensors and
+# their index; pickled weights only with model.allow_pickle_weights.
+NEEDED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+          "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt",
+          "vocab.txt", "chat_template.jinja", "chat_template.json", "*.safetensors", "model.safetensors.index.json")
+PICKLED = ("pytorch_model*.bin", "pytorch_model.bin.index.json", "*.pt", "*.pth")
+# A hub that cannot be reached is one line within seconds: this is an interactive step.
+CONNECT_TIMEOUT_S = 5.0
+READ_TIMEOUT_S = 60.0
+DOWNLOAD_ATTEMPTS = 3
+CHUNK_BYTES = 8 << 20
+
+
+class HubError(ValueError):
+    """One line, naming the repo (and the endpoint or the key at fault)."""
+
+
+@dataclass(frozen=True)
+class HubRef:
+    repo_id: str
+    revision: str
+
+    @property
+    def org(self) -> str:
+        return self.repo_id.split("/", 1)[0]
+
+    @property
+    def name(self) -> str:
+        return self.repo_id.split("/", 1)[1]
+
+
+def is_hub_uri(uri: str) -> bool:
+    return uri.startswith(SCHEME)
+
+
+def parse_hub_uri(uri: str, key: str = "model.uri") -> HubRef:
+    """`hf://org/name[@revision]` → HubRef; HubError naming the key and URI when it is not one."""
+    rest = uri[len(SCHEME):] if is_hub_uri(uri) else uri
+    repo, _, revision = rest.partition("@")
+    parts = repo.strip("/").split("/")
+    if len(parts) != 2 or not all(REPO_PART.match(p) for p in parts) or (_ and not revision):
+        raise HubError(f"{key} {uri}: not a hub id (hf://ORG/NAME or hf://ORG/NAME@REVISION)")
+    return HubRef("/".join(parts), revision or "main")
+
+
+def hub_endpoint() -> str:
+    """The hub's address: HF_ENDPOINT when set (a mirror, a test's loopback hub), read at call
+    time so that a long-lived driver follows it."""
+    return (os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
+
+
+def default_mirror_root(root_uri: str) -> str:
+    """`<storage.root_uri>/../models-mirror`: beside the runs, in the same bucket. A root that is a
+    bare bucket (`s3://b`) has no parent: the mirror goes under it."""
+    parsed = urlparse(root_uri)
+    path = parsed.path.rstrip("/") if parsed.scheme else root_uri.rstrip("/")
+    if parsed.scheme and "/" not in path.strip("/"):
+        return join(root_uri, "models-mirror")
+    return join(root_uri.rstrip("/").rsplit("/", 1)[0], "models-mirror")
+
+
+def mirror_uri_of(mirror_root: str, ref: HubRef, sha: str) -> str:
+    return join(mirror_root, ref.org, ref.name, sha)
+
+
+def load_marker(store: Store, mirror_uri: str) -> Optional[dict]:
+    """The completion marker of a mirror, or None: a mirror without one is incomplete."""
+    uri = join(mirror_uri, MARKER)
+    try:
+        if not store.exists(uri):
+            return None
+        return store.read_json(uri)
+    except StorageError:
+        return None
+
+
+def _api(endpoint: str, token: Optional[str]):
+    from huggingface_hub import HfApi
+
+    return HfApi(endpoint=endpoint, token=token or False)
+
+
+def _token() -> Optional[str]:
+    from huggingface_hub import get_token
+
+    return get_token()
+
+
+def _explain(err: Exception, ref: HubRef, endpoint: str, mirror_root: str) -> HubError:
+    """One line for what the hub said, or for a hub that did not answer."""
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+
+    repo = f"hf://{ref.repo_id}"
+    if isinstance(err, GatedRepoError):
+        return HubError(f"{repo} is gated at {endpoint}: accept its licence on {endpoint}/{ref.repo_id} with your "
+                        f"account, then set HF_TOKEN to a token of that account (never stored by eft)")
+    if isinstance(err, RevisionNotFoundError):
+        return HubError(f"{repo}: revision {ref.revision!r} does not exist at {endpoint}")
+    if isinstance(err, RepositoryNotFoundError):
+        status = getattr(getattr(err, "response", None), "status_code", None)
+        if status in (401, 403):
+            return HubError(f"{repo}: access denied at {endpoint} ({status}): a private or gated repo needs HF_TOKEN "
+                            f"set to a token with access to it")
+        return HubError(f"{repo} does not exist at {endpoint} (or is private: set HF_TOKEN)")
+    if isinstance(err, HfHubHTTPError):
+        status = getattr(getattr(err, "response", None), "status_code", None)
+        if status in (401, 403):
+            return HubError(f"{repo}: access denied at {endpoint} ({status}): set HF_TOKEN to a token with access")
+        return HubError(f"{repo}: the hub at {endpoint} answered {status or type(err).__name__}")
+    return HubError(f"cannot reach the hub at {endpoint} for {repo} ({type(err).__name__}); offline, mirror it "
+                    f"elsewhere with `eft model pull {repo} --to {mirror_root}` and use hf://{ref.repo_id}@<sha> or "
+                    f"the mirror's URI")
+
+
+def resolve_revision(ref: HubRef, endpoint: str, token: Optional[str], mirror_root: str) -> tuple[str, list]:
+    """(commit sha, [(file name, size)]) of the revision: one API call."""
+    try:
+        info = _api(endpoint, token).model_info(ref.repo_id, revision=ref.revision, files_metadata=True,
+                                                timeout=CONNECT_TIMEOUT_S)
+    except Exception as err:  # every failure is one line, naming the repo and the endpoint
+        raise _explain(err, ref, endpoint, mirror_root) from None
+    files = [(s.rfilename, s.size) for s in (info.siblings or [])]
+    return info.sha, files
+
+
+def select_files(ref: HubRef, files: list, allow_pickle: bool) -> list:
+    """The files of the repo a run needs; HubError when it has no weights eft may load."""
+    def matching(patterns):
+        return [(name, size) for name, size in files if "/" not in name
+                and any(fnmatch.fnmatch(name, p) for p in patterns)]
+
+    needed = matching(NEEDED)
+    names = {n for n, _ in needed}
+    if "config.json" not in names:
+        raise HubError(f"hf://{ref.repo_id}@{ref.revision}: no config.json: not a transformers model repo")
+    if any(n.endswith(".safetensors") for n in names):
+        return needed
+    pickled = matching(PICKLED)
+    if not pickled:
+        raise HubError(f"hf://{ref.repo_id}@{ref.revision}: no safetensors weights")
+    if not allow_pickle:
+        raise HubError(f"hf://{ref.repo_id}@{ref.revision} has only pickled weights "
+                       f"({', '.join(sorted(n for n, _ in pickled))}): loading a pickle runs code; set "
+                       f"model.allow_pickle_weights: true to trust this repo anyway")
+    log.warning("hf://%s@%s: pickled weights (%s) mirrored because model.allow_pickle_weights is true: loading them "
+                "runs whatever code they hold", ref.repo_id, ref.revision, ", ".join(sorted(n for n, _ in pickled)))
+    return needed + pickled
+
+
+def _download_chunks(url: str, headers: dict):
+    from huggingface_hub.utils import get_session, hf_raise_for_status
+
+    with get_session().stream("GET", url, headers=headers, follow_redirects=True,
+                              timeout=(CONNECT_TIMEOUT_S, READ_TIMEOUT_S)) as response:
+        hf_raise_for_status(response)
+        yield from response.iter_bytes(CHUNK_BYTES)
+
+
+def copy_file(store: Store, ref: HubRef, sha: str, name: str, dest: str, endpoint: str,
+              token: Optional[str]) -> int:
+    """One file of the repo at `sha`, streamed into storage (a multipart upload on S3). A
+    download cut off is started again, a few times: the file is rewritten whole."""
+    from huggingface_hub import hf_hub_url
+    from huggingface_hub.utils import build_hf_headers
+
+    url = hf_hub_url(ref.repo_id, name, revision=sha, endpoint=endpoint)
+    headers = build_hf_headers(token=token or False)
+    for attempt in range(DOWNLOAD_ATTEMPTS):
+        try:
+            return store.write_stream(join(dest, name), _download_chunks(url, headers))
+        except (StorageError, HubError):
+            raise
+        except Exception as err:
+            from huggingface_hub.errors import HfHubHTTPError
+
+            status = getattr(getattr(err, "response", None), "status_code", None)
+            if attempt == DOWNLOAD_ATTEMPTS - 1 or (isinstance(err, HfHubHTTPError) and status and status < 500):
+                raise _explain(err, ref, endpoint, dest) from None
+            log.warning("hf://%s: download of %s cut off (%s); starting it again", ref.repo_id, name,
+                        type(err).__name__)
+            time.sleep(1.0 * 2 ** attempt)
+    raise AssertionError("unreachable")
+
+
+def mirror_model(store: Store, uri: str, mirror_root: str, allow_pickle: bool = False) -> dict:
+    """Resolve `hf://…` and make sure its mirror is complete; returns the mirror's marker
+    (repo, requested revision, sha, files, mirror_uri). Idempotent: a complete mirror is reused."""
+    ref = parse_hub_uri(uri)
+    store.check_reachable(mirror_root)
+    if SHA.match(ref.revision):
+        done = load_marker(store, mirror_uri_of(mirror_root, ref, ref.revision))
+        if done is not None:  # pinned and mirrored: no request to the hub at all
+            return {**done, "revision": ref.revision}
+    endpoint, token = hub_endpoint(), _token()
+    sha, files = resolve_revision(ref, endpoint, token, mirror_root)
+    dest = mirror_uri_of(mirror_root, ref, sha)
+    done = load_marker(store, dest)
+    if done is not None:
+        return {**done, "revision": ref.revision}
+    wanted = select_files(ref, files, allow_pickle)
+    # Files left by a mirror that was cut off are overwritten; the marker goes last.
+    started = time.time()
+    sizes = {}
+    for name, _ in wanted:
+        sizes[name] = copy_file(store, ref, sha, name, dest, endpoint, token)
+    marker = {"repo": ref.repo_id, "revision": ref.revision, "sha": sha, "endpoint": endpoint,
+              "files": sizes, "mirror_uri": dest, "mirrored_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "pickled_weights": any(n.endswith((".bin", ".pt", ".pth")) for n in sizes)}
+    store.write_json(join(dest, MARKER), marker)
+    log.info("hf://%s@%s (%s): mirrored %d files, %.1f MB, to %s in %.1f s", ref.repo_id, ref.revision, sha,
+             len(sizes), sum(sizes.values()) / 1e6, dest, time.time() - started)
+    return marker
+
+
+def resolve_model(cfg, store: Store, pinned_uri: Optional[str] = None):
+    """The config with `model.uri` at the mirror of its hub id (unchanged for any other URI), and
+    the mirror's marker (None when not a hub id). The mirror's path holds the sha, so the run's
+    stored config, its identity and its export all pin the exact commit.
+
+    `pinned_uri`: the mirror a run was trained on (its stored config's model.uri). Looking at a
+    run (export, eval) uses that commit, complete in storage, without asking the hub where the
+    branch points now; training resolves afresh, so that a moved branch is refused on resume."""
+    if not is_hub_uri(cfg.model.uri):
+        return cfg, None
+    root = cfg.model.mirror_uri or default_mirror_root(cfg.storage.root_uri)
+    ref = parse_hub_uri(cfg.model.uri)
+    marker = None
+    if pinned_uri and pinned_uri.rstrip("/").rsplit("/", 1)[0] == join(root, ref.org, ref.name):
+        marker = load_marker(store, pinned_uri)
+    if marker is None:
+        marker = mirror_model(store, cfg.model.uri, root, cfg.model.allow_pickle_weights)
+    model = cfg.model.model_copy(update={"uri": marker["mirror_uri"], "mirror_uri": root})
+    resolved = cfg.model_copy(update={"model": model})
+    log.info("model.uri %s → %s (sha %s)", cfg.model.uri, marker["mirror_uri"], marker["sha"])
+    return resolved, marker
+
+
+def list_mirrors(store: Store, mirror_root: str) -> list[dict]:
+    """Every mirror under `mirror_root`: complete ones with their marker, cut-off ones flagged."""
+    found = []
+    for org in store.list_dirs(mirror_root):
+        for name in store.list_dirs(join(mirror_root, org)):
+            for sha in store.list_dirs(join(mirror_root, org, name)):
+                uri = join(mirror_root, org, name, sha)
+                marker = load_marker(store, uri)
+                found.append({"repo": f"{org}/{name}", "sha": sha, "mirror_uri": uri, "complete": marker is not None,
+                              "files": len((marker or {}).get("files", {})),
+                              "bytes": sum((marker or {}).get("files", {}).values()),
+                              "revision": (marker or {}).get("revision")})
+    return found

@@ -1,0 +1,224 @@
+"""`model.uri: hf://ORG/NAME[@REV]` against a stand-in hub on loopback (tests/hub_server.py), talked
+to by the real `huggingface_hub` client through HF_ENDPOINT, and a real S3 endpoint (moto): the
+revision pinned to a sha, the repo mirrored once with its marker last, a second resolve that
+downloads nothing, a cut-off mirror redone, a gated repo, pickled weights refused, and the token
+in no object written and no log line."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from pathlib import Path
+
+import boto3
+import pytest
+from hub_server import HubRepo, HubServer
+
+from app.config import build_config
+from app.hub import MARKER, HubError, default_mirror_root, list_mirrors, mirror_model, resolve_model
+from app.storage import Store, join
+
+TOKEN = "hf_eftTestTokenThatMustNeverBeStored0042"
+MIRROR = "s3://eft/hub-tests/mirror"
+ORG_NAME = "acme/tiny-llama"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """The tiny base in Hugging Face format, as a hub repo holds it."""
+    from app.dev.tiny import build_corpus, build_tiny_model, build_tiny_tokenizer
+
+    out = tmp_path_factory.mktemp("tiny-hub")
+    tokenizer = build_tiny_tokenizer(build_corpus(max_docs=40), vocab_size=256)
+    build_tiny_model(tokenizer).save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    (out / "README.md").write_text("a model card: not needed by a run, so not mirrored\n")
+    return out
+
+
+@pytest.fixture
+def hub(monkeypatch, model_dir):
+    with HubServer() as server:
+        repo = HubRepo()
+        repo.commit_dir(model_dir)
+        server.repos[ORG_NAME] = repo
+        monkeypatch.setenv("HF_ENDPOINT", server.endpoint)
+        monkeypatch.delenv("HF_TOKEN", raising=False)
+        # huggingface_hub's own token file lives under HF_HOME: an empty one, so no token of the
+        # machine's is found.
+        monkeypatch.setenv("HF_HOME", tempfile.mkdtemp())
+        yield server
+
+
+def fresh_root(name: str) -> str:
+    return f"{MIRROR}-{name}"
+
+
+def job(uri: str, mirror: str, **model):
+    return build_config({"name": "hub", "model": {"uri": uri, "mirror_uri": mirror, **model},
+                         "data": {"uri": "s3://eft/data/unused", "seq_len": 64}, "training": {"max_steps": 1},
+                         "storage": {"root_uri": "s3://eft/hub-tests/runs"}})
+
+
+def test_a_hub_id_is_pinned_and_mirrored_once_with_its_marker_last(s3, hub, model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    store, root = Store(), fresh_root("once")
+    sha = hub.repos[ORG_NAME].refs["main"]
+    cfg, marker = resolve_model(job(f"hf://{ORG_NAME}", root), store)
+    assert marker["sha"] == sha and marker["revision"] == "main"
+    assert cfg.model.uri == join(root, "acme", "tiny-llama", sha)
+    mirrored = set(store.list_file_sizes(cfg.model.uri))
+    assert {"config.json", "model.safetensors", "tokenizer.json", MARKER} <= {Path(p).name for p in mirrored}
+    assert not any(p.endswith("README.md") for p in mirrored)
+    # The marker is the last object written: every file it lists was up before it.
+    s3c = boto3.client("s3", region_name="us-east-1")
+    prefix = cfg.model.uri.removeprefix("s3://eft/") + "/"
+    objects = s3c.list_objects_v2(Bucket="eft", Prefix=prefix)["Contents"]
+    marker_time = [o["LastModified"] for o in objects if o["Key"].endswith(MARKER)][0]
+    assert all(o["LastModified"] <= marker_time for o in objects)
+    assert hub.requests["download"] == len(marker["files"])
+
+    # Loaded back by transformers from a copy of the mirror: the repo's weights, byte for byte.
+    local = store.cache_locally(cfg.model.uri)
+    got = AutoModelForCausalLM.from_pretrained(local).state_dict()
+    want = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    assert all((got[k] == want[k]).all() for k in want)
+    assert AutoTokenizer.from_pretrained(local)("import os").input_ids == \
+        AutoTokenizer.from_pretrained(model_dir)("import os").input_ids
+
+    # Again by branch: one API call to learn where main points, no download.
+    before = dict(hub.requests)
+    again, _ = resolve_model(job(f"hf://{ORG_NAME}@main", root), store)
+    assert again.model.uri == cfg.model.uri
+    assert hub.requests["download"] == before["download"] and hub.requests["api"] == before["api"] + 1
+    # By sha, mirrored: the hub is not contacted at all (how a cluster without internet runs).
+    pinned, _ = resolve_model(job(f"hf://{ORG_NAME}@{sha}", root), store)
+    assert pinned.model.uri == cfg.model.uri and dict(hub.requests) == {**before, "api": before["api"] + 1}
+    assert [m["sha"] for m in list_mirrors(store, root) if m["complete"]] == [sha]
+
+
+def test_a_moved_branch_is_a_new_mirror_and_resume_against_it_is_refused(s3, hub, model_dir, tmp_path):
+    from app.elastic.resume import ResumeError, check_resume
+
+    store, root = Store(), fresh_root("moved")
+    first, _ = resolve_model(job(f"hf://{ORG_NAME}", root), store)
+    old_sha = first.model.uri.rsplit("/", 1)[1]
+    # A run trained on the old commit (its stored config is what a resume compares with).
+    from app.config import dump_config
+
+    store.write_text(join(first.run_uri, "config.yaml"), dump_config(first))
+    store.write_text(join(first.run_uri, "checkpoint-00000001", "placeholder"), "a checkpoint of the run")
+    files = {p.name: p.read_bytes() for p in model_dir.iterdir() if p.is_file()}
+    files["generation_config.json"] = b'{"max_new_tokens": 7}'
+    new_sha = hub.repos[ORG_NAME].commit(files)
+    moved, _ = resolve_model(job(f"hf://{ORG_NAME}", root), store)
+    assert moved.model.uri.endswith(new_sha) and new_sha != old_sha
+    with pytest.raises(ResumeError, match=rf"model.uri .*{old_sha} → .*{new_sha}"):
+        check_resume(moved, store, manifest={"dataset": "any"})
+    # Looking at the run (export, eval) keeps the commit it was trained on.
+    from app.elastic.resume import resolve_run_model
+
+    assert resolve_run_model(job(f"hf://{ORG_NAME}", root), store).model.uri == first.model.uri
+
+
+def test_a_mirror_cut_off_midway_is_not_used_and_is_redone(s3, hub):
+    store, root = Store(), fresh_root("cut")
+    hub.fail_downloads_after = 2
+    with pytest.raises(HubError, match=rf"hf://{ORG_NAME}"):
+        mirror_model(store, f"hf://{ORG_NAME}", root)
+    sha = hub.repos[ORG_NAME].refs["main"]
+    dest = join(root, "acme", "tiny-llama", sha)
+    assert store.list_files(dest) and not store.exists(join(dest, MARKER))
+    assert [m["complete"] for m in list_mirrors(store, root)] == [False]
+    hub.fail_downloads_after = None
+    marker = mirror_model(store, f"hf://{ORG_NAME}@{sha}", root)  # a sha without a marker: mirrored anew
+    assert store.exists(join(dest, MARKER)) and marker["sha"] == sha
+    assert [m["complete"] for m in list_mirrors(store, root)] == [True]
+
+
+def test_a_gated_repo_names_the_repo_and_the_way_in_and_the_token_is_never_written(s3, hub, model_dir, monkeypatch,
+                                                                                      caplog):
+    store, root = Store(), fresh_root("gated")
+    gated = HubRepo(gated_token=TOKEN)
+    gated.commit_dir(model_dir)
+    hub.repos["acme/gated"] = gated
+    with pytest.raises(HubError) as info:
+        mirror_model(store, "hf://acme/gated", root)
+    line = str(info.value)
+    assert "\n" not in line and "hf://acme/gated is gated at" in line and "HF_TOKEN" in line
+
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    with caplog.at_level(logging.DEBUG):
+        marker = mirror_model(store, "hf://acme/gated", root)
+    assert any({k.lower(): v for k, v in h.items()}.get("authorization") == f"Bearer {TOKEN}"
+               for h in hub.seen_headers)  # it was sent to the hub
+    s3c = boto3.client("s3", region_name="us-east-1")
+    keys = [o["Key"] for o in s3c.list_objects_v2(Bucket="eft", Prefix=root.removeprefix("s3://eft/"))["Contents"]]
+    assert marker["mirror_uri"] and keys
+    for key in keys:
+        assert TOKEN.encode() not in s3c.get_object(Bucket="eft", Key=key)["Body"].read(), key
+    assert TOKEN not in caplog.text
+
+
+def test_missing_repos_and_revisions_and_a_dead_hub_are_one_line(s3, hub, monkeypatch):
+    store, root = Store(), fresh_root("errors")
+    with pytest.raises(HubError, match=r"^hf://acme/nothing does not exist at http://127\.0\.0\.1:\d+"):
+        mirror_model(store, "hf://acme/nothing", root)
+    with pytest.raises(HubError, match=rf"^hf://{ORG_NAME}: revision 'v9' does not exist"):
+        mirror_model(store, f"hf://{ORG_NAME}@v9", root)
+    with pytest.raises(HubError, match=r"^model.uri hf://just-a-name: not a hub id"):
+        resolve_model(job("hf://just-a-name", root), store)
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    monkeypatch.setenv("HF_ENDPOINT", dead)
+    with pytest.raises(HubError) as info:
+        mirror_model(store, f"hf://{ORG_NAME}", root)
+    assert str(info.value).startswith(f"cannot reach the hub at {dead} for hf://{ORG_NAME}")
+    assert f"eft model pull hf://{ORG_NAME} --to {root}" in str(info.value)
+
+
+def test_pickled_weights_are_refused_unless_allowed(s3, hub, model_dir, caplog):
+    import torch
+    from safetensors.torch import load_file
+
+    store, root = Store(), fresh_root("pickle")
+    files = {p.name: p.read_bytes() for p in model_dir.iterdir() if p.is_file() and p.suffix != ".safetensors"}
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.save(load_file(model_dir / "model.safetensors"), Path(tmp) / "pytorch_model.bin")
+        files["pytorch_model.bin"] = (Path(tmp) / "pytorch_model.bin").read_bytes()
+    legacy = HubRepo()
+    legacy.commit(files)
+    hub.repos["acme/legacy"] = legacy
+    with pytest.raises(HubError, match=r"^hf://acme/legacy@main has only pickled weights \(pytorch_model\.bin\): "
+                                       r"loading a pickle runs code; set model\.allow_pickle_weights: true"):
+        resolve_model(job("hf://acme/legacy", root), store)
+    assert hub.requests["download"] == 0  # refused before a byte was fetched
+    with caplog.at_level(logging.WARNING, logger="eft.hub"):
+        cfg, marker = resolve_model(job("hf://acme/legacy", root, allow_pickle_weights=True), store)
+    assert marker["pickled_weights"] and "pytorch_model.bin" in marker["files"]
+    assert any("model.allow_pickle_weights is true" in r.getMessage() for r in caplog.records)
+
+
+def test_eft_model_pull_and_ls_through_the_cli(s3, hub, capsys):
+    from app.cli import main
+
+    root = fresh_root("cli")
+    sha = hub.repos[ORG_NAME].refs["main"]
+    assert main(["model", "pull", f"hf://{ORG_NAME}", "--to", root]) == 0
+    assert capsys.readouterr().out.strip() == f"hf://{ORG_NAME}@{sha} -> {join(root, 'acme', 'tiny-llama', sha)}"
+    assert main(["model", "ls", root]) == 0
+    (line,) = capsys.readouterr().out.strip().splitlines()
+    assert line.startswith(f"hf://{ORG_NAME}@{sha}  ") and "files" in line
+    assert main(["model", "pull", "hf://nope"]) == 1
+    assert capsys.readouterr().err.strip() == ("eft: error: eft model pull hf://nope: not a hub id "
+                                               "(hf://ORG/NAME or hf://ORG/NAME@REVISION)")
+
+
+def test_the_default_mirror_sits_beside_the_runs():
+    assert default_mirror_root("s3://bucket/eft/runs") == "s3://bucket/eft/models-mirror"
+    assert default_mirror_root("s3://bucket") == "s3://bucket/models-mirror"
+    assert default_mirror_root("/data/runs") == "/data/models-mirror"
