@@ -154,6 +154,8 @@ def cmd_model(args) -> int:
         mirrors = list_mirrors(store, args.target)
         if args.json:
             print(json.dumps(mirrors, indent=2))
+        elif not mirrors:  # said on stderr: stdout lists mirrors, and there are none
+            print(f"eft: no mirrors under {args.target}", file=sys.stderr)
         for m in [] if args.json else mirrors:
             state = f"{m['files']} files, {m['bytes'] / 1e6:.1f} MB" if m["complete"] else "incomplete (cut off: not used)"
             print(f"hf://{m['repo']}@{m['sha']}  {state}  {m['mirror_uri']}")
@@ -168,6 +170,35 @@ def cmd_model(args) -> int:
                        "model.mirror_uri or storage.root_uri decides)")
     marker = mirror_model(Store(), args.target, root, allow_pickle=args.allow_pickle_weights)
     print(f"hf://{marker['repo']}@{marker['sha']} -> {marker['mirror_uri']}")
+    return 0
+
+
+def cmd_serve(args) -> int:
+    """`eft serve CONFIG|EXPORT_URI`: the export answering over the OpenAI API until Ctrl-C."""
+    from app.config import ConfigError, load_config
+    from app.serve.auth import check_bind, read_token
+
+    # Flags and config first, before storage, Ray or torch is imported: each error is one line.
+    token = read_token(args.token_file)
+    check_bind(args.host, token)
+    if args.target.endswith((".yaml", ".yml")):
+        load_config(args.target, args.set)
+    if args.detach and not os.environ.get("RAY_ADDRESS"):
+        raise ConfigError("--detach: needs a Ray cluster that outlives this command (set RAY_ADDRESS; for the "
+                          "local stack: eval \"$(eft local env)\")")
+    from app.serve.launch import start_serve
+
+    handle = start_serve(args.target, host=args.host, port=args.port, replicas=args.replicas, token=token,
+                         overrides=args.set, model_name=args.model_name, prefer_adapter=args.adapter,
+                         engine=args.engine, cpus_per_replica=args.cpus_per_replica, max_tokens=args.max_tokens)
+    print(f"model: {handle.model}")
+    print(f"url:   {handle.url}", flush=True)
+    if args.detach:
+        print(f"# detached: the Serve application {handle.app_name!r} keeps running on the cluster "
+              f"(`serve shutdown` stops it)")
+        return 0
+    print("# serving until Ctrl-C", flush=True)
+    handle.wait()
     return 0
 
 
@@ -336,6 +367,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pull: mirror a repo that has only pickled weights (loading them runs code)")
     p.add_argument("--json", action="store_true", help="ls: print the mirrors as JSON")
     p.set_defaults(fn=cmd_model)
+    p = sub.add_parser("serve", help="an export answering over an OpenAI-compatible API (Ray Serve)")
+    p.add_argument("target", metavar="CONFIG|EXPORT_URI",
+                   help="a job YAML (its run's latest export) or an export's URI (the directory with export.json)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1; any other needs a token)")
+    p.add_argument("--port", type=positive_int, default=8000, help="HTTP port (default 8000)")
+    p.add_argument("--replicas", type=positive_int, default=1, help="model replicas (default 1)")
+    p.add_argument("--token-file", default=None, metavar="FILE",
+                   help="the bearer token every request must carry (default: $EFT_SERVE_TOKEN, else none)")
+    p.add_argument("--model-name", default=None, help="the model name clients ask for (default: the run's name)")
+    p.add_argument("--adapter", action="store_true",
+                   help="serve the base plus the adapter even when the export has a merged model")
+    p.add_argument("--engine", default="auto", choices=["auto", "transformers", "vllm"],
+                   help="transformers generate, or Ray Serve LLM (vLLM, GPU); auto: vllm when installed and the "
+                        "cluster has GPUs")
+    p.add_argument("--cpus-per-replica", type=float, default=1.0, metavar="N",
+                   help="Ray CPUs per replica (transformers engine; default 1)")
+    p.add_argument("--max-tokens", type=positive_int, default=256, metavar="N",
+                   help="the most tokens one request may generate (default 256; chat's default)")
+    p.add_argument("--detach", action="store_true",
+                   help="return once serving, leaving the application on the cluster (needs RAY_ADDRESS)")
+    p.set_defaults(fn=cmd_serve)
     p = sub.add_parser("demo", help="the whole pipeline on the embedded local stack")
     p.add_argument("--config", default=None, help="job YAML (default: jobs/configs/tiny-cpu.yaml)")
     p.add_argument("--state-dir", default=".eft")

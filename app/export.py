@@ -28,6 +28,7 @@ from app.config import JobConfig
 from app.elastic.checkpoint import (check_complete, check_local_copy, find_latest_checkpoint, load_sidecar,
                                     load_train_state)
 from app.elastic.resume import resolve_run_model
+from app.hub import is_hub_uri, load_marker, parse_hub_uri
 from app.model.architecture import ModelError
 from app.model.build import check_model_dir, load_pretrained
 from app.storage import Store, StorageError, join
@@ -52,6 +53,7 @@ def export_run(cfg: JobConfig, checkpoint_uri: Optional[str] = None, merge: bool
     and the URI of each output tree.
     """
     store = store or Store.from_config(cfg.storage)
+    requested = cfg.model.uri
     cfg = resolve_run_model(cfg, store)
     # A person waits on this: an unreachable endpoint or a bad bucket is one line in seconds,
     # before the (patient) store starts reading checkpoints and weights.
@@ -78,11 +80,23 @@ def export_run(cfg: JobConfig, checkpoint_uri: Optional[str] = None, merge: bool
         "kinds": kinds,
         "export_uri": out_uri,
     }
+    if (provenance := describe_hub_base(store, requested, cfg.model.uri)) is not None:
+        summary["base_model_hub"] = provenance
     with tempfile.TemporaryDirectory(prefix="eft-export-") as tmp:
         summary.update(write_export_trees(cfg, model, tokenizer, base_dir, kinds, Path(tmp), out_uri))
         publish_export(store, Path(tmp), out_uri, summary)
     log.info("export complete: %s", out_uri)
     return summary
+
+
+def describe_hub_base(store: Store, requested: str, model_uri: str) -> Optional[dict]:
+    """Which hub commit the base is (repo, revision asked for, sha, mirror), from its mirror's
+    marker; None for a base that is no hub mirror. A run given the mirror's URI itself counts too."""
+    marker = load_marker(store, model_uri)
+    if marker is None:
+        return None
+    revision = parse_hub_uri(requested).revision if is_hub_uri(requested) else marker.get("revision")
+    return {"repo": marker["repo"], "revision": revision, "sha": marker["sha"], "mirror_uri": model_uri}
 
 
 def write_export_trees(cfg: JobConfig, model, tokenizer, base_dir: Path, kinds: list[str],

@@ -47,6 +47,7 @@ PICKLED = ("pytorch_model*.bin", "pytorch_model.bin.index.json", "*.pt", "*.pth"
 CONNECT_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 60.0
 DOWNLOAD_ATTEMPTS = 3
+RETRY_PAUSE_S = 1.0  # doubled after each cut-off download
 CHUNK_BYTES = 8 << 20
 
 
@@ -86,6 +87,15 @@ def hub_endpoint() -> str:
     """The hub's address: HF_ENDPOINT when set (a mirror, a test's loopback hub), read at call
     time so that a long-lived driver follows it."""
     return (os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
+
+
+def shown_endpoint(endpoint: str) -> str:
+    """The endpoint as it may be written (marker) or logged: an HF_ENDPOINT with credentials in it
+    (`https://user:secret@mirror`) loses them."""
+    parsed = urlparse(endpoint)
+    if parsed.username is None and parsed.password is None:
+        return endpoint
+    return parsed._replace(netloc=parsed.hostname + (f":{parsed.port}" if parsed.port else "")).geturl()
 
 
 def default_mirror_root(root_uri: str) -> str:
@@ -129,7 +139,7 @@ def _explain(err: Exception, ref: HubRef, endpoint: str, mirror_root: str) -> Hu
     """One line for what the hub said, or for a hub that did not answer."""
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 
-    repo = f"hf://{ref.repo_id}"
+    repo, endpoint = f"hf://{ref.repo_id}", shown_endpoint(endpoint)
     if isinstance(err, GatedRepoError):
         return HubError(f"{repo} is gated at {endpoint}: accept its licence on {endpoint}/{ref.repo_id} with your "
                         f"account, then set HF_TOKEN to a token of that account (never stored by eft)")
@@ -217,7 +227,7 @@ def copy_file(store: Store, ref: HubRef, sha: str, name: str, dest: str, endpoin
                 raise _explain(err, ref, endpoint, dest) from None
             log.warning("hf://%s: download of %s cut off (%s); starting it again", ref.repo_id, name,
                         type(err).__name__)
-            time.sleep(1.0 * 2 ** attempt)
+            time.sleep(RETRY_PAUSE_S * 2 ** attempt)
     raise AssertionError("unreachable")
 
 
@@ -242,7 +252,7 @@ def mirror_model(store: Store, uri: str, mirror_root: str, allow_pickle: bool = 
     sizes = {}
     for name, _ in wanted:
         sizes[name] = copy_file(store, ref, sha, name, dest, endpoint, token)
-    marker = {"repo": ref.repo_id, "revision": ref.revision, "sha": sha, "endpoint": endpoint,
+    marker = {"repo": ref.repo_id, "revision": ref.revision, "sha": sha, "endpoint": shown_endpoint(endpoint),
               "files": sizes, "mirror_uri": dest, "mirrored_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "pickled_weights": any(n.endswith((".bin", ".pt", ".pth")) for n in sizes)}
     store.write_json(join(dest, MARKER), marker)
@@ -272,6 +282,52 @@ def resolve_model(cfg, store: Store, pinned_uri: Optional[str] = None):
     resolved = cfg.model_copy(update={"model": model})
     log.info("model.uri %s → %s (sha %s)", cfg.model.uri, marker["mirror_uri"], marker["sha"])
     return resolved, marker
+
+
+def read_model_file(store: Store, uri: str, mirror_root: str, name: str = "config.json") -> tuple[bytes, str]:
+    """One small file of a hub model, without mirroring it: `eft plan` needs only config.json and
+    may run before anything is uploaded. Read from the complete mirror when there is one (a pinned
+    sha mirrored: no request to the hub), else from the hub at the resolved sha. Writes nothing.
+    Returns (the bytes, where they were read)."""
+    ref = parse_hub_uri(uri)
+
+    def from_mirror(sha: str) -> Optional[tuple[bytes, str]]:
+        dest = mirror_uri_of(mirror_root, ref, sha)
+        try:
+            if load_marker(store, dest) is None:
+                return None
+            return store.read_bytes(join(dest, name)), join(dest, name)
+        except (StorageError, OSError):
+            return None  # no bucket yet, or no such file there: the hub has it
+
+    if SHA.match(ref.revision) and (found := from_mirror(ref.revision)):
+        return found
+    endpoint, token = hub_endpoint(), _token()
+    sha, files = resolve_revision(ref, endpoint, token, mirror_root)
+    if found := from_mirror(sha):
+        return found
+    if name not in {n for n, _ in files}:
+        raise HubError(f"hf://{ref.repo_id}@{ref.revision}: no {name} (not a transformers model repo)")
+    from huggingface_hub import hf_hub_url
+    from huggingface_hub.utils import build_hf_headers
+
+    url = hf_hub_url(ref.repo_id, name, revision=sha, endpoint=endpoint)
+    try:
+        data = b"".join(_download_chunks(url, build_hf_headers(token=token or False)))
+    except Exception as err:  # one line, naming the repo and the endpoint
+        raise _explain(err, ref, endpoint, mirror_root) from None
+    return data, f"hf://{ref.repo_id}@{sha}/{name}"
+
+
+def describe_sha_change(old_uri: str, new_uri: str) -> Optional[str]:
+    """When two model URIs are mirrors of one repo at two commits, say so with the way back (the
+    branch moved since the run began); None for any other pair."""
+    old_parent, _, old_sha = str(old_uri).rstrip("/").rpartition("/")
+    new_parent, _, new_sha = str(new_uri).rstrip("/").rpartition("/")
+    if old_parent != new_parent or not (SHA.match(old_sha) and SHA.match(new_sha)):
+        return None
+    repo = "/".join(old_parent.split("/")[-2:])
+    return f"the hub commit of {repo} is now {new_sha}, the run's is {old_sha}: pin hf://{repo}@{old_sha} to resume"
 
 
 def list_mirrors(store: Store, mirror_root: str) -> list[dict]:

@@ -443,17 +443,25 @@ def gpu_memory_of(cfg: JobConfig, node_type: Optional[str] = None) -> tuple[Opti
 def plan_job(cfg: JobConfig, store=None, node_type: Optional[str] = None,
              headroom_fraction: float = DEFAULT_HEADROOM) -> tuple[Plan, str]:
     """The job's plan, reading the model's config.json from storage; and where the GPU size came from."""
-    from app.model.architecture import load_model_config
+    from app.hub import default_mirror_root, is_hub_uri, read_model_file
+    from app.model.architecture import load_model_config, parse_model_config
     from app.storage import Store
 
     if node_type is not None and not cfg.scaling.use_gpu:
         cfg = cfg.model_copy(update={"scaling": cfg.scaling.model_copy(update={"use_gpu": True})})
     memory, source = gpu_memory_of(cfg, node_type)
+    hub = is_hub_uri(cfg.model.uri)
     if store is None:
         # A command a person waits on: an unreachable bucket is one line in seconds.
         store = Store.from_config(cfg.storage, interactive=True)
-        store.check_reachable(cfg.model.uri)
-    model_config = load_model_config(store, cfg.model.uri)
+        if not hub:  # a hub id's config.json comes from its mirror, or the hub when there is none yet
+            store.check_reachable(cfg.model.uri)
+    if hub:
+        # The plan needs config.json alone: no mirror is made for it.
+        root = cfg.model.mirror_uri or default_mirror_root(cfg.storage.root_uri)
+        model_config = parse_model_config(*read_model_file(store, cfg.model.uri, root, "config.json"))
+    else:
+        model_config = load_model_config(store, cfg.model.uri)
     return build_plan(cfg, model_config, memory, headroom_fraction), source
 
 

@@ -1,5 +1,5 @@
 """Commands a person waits on answer at once: a config error is one line before anything heavy is
-imported, and `plan`, `status`, `report`, `export` and `prepare`'s preflight give one line within
+imported, and `plan`, `status`, `report`, `export`, `serve` and `prepare`'s preflight give one line within
 seconds when storage cannot be reached or the bucket name is one S3 cannot have. The long retry
 budget (about 100 s of backoff) is for training, to ride out an outage; these commands use a short
 one. A command that waited out the long budget would hit the subprocess timeout here."""
@@ -49,7 +49,7 @@ def unreachable_env(tmp_path: Path) -> dict:
             "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "RAY_ADDRESS": "127.0.0.1:1"}
 
 
-@pytest.mark.parametrize("command", ["config", "train", "prepare", "export", "plan", "manifests"])
+@pytest.mark.parametrize("command", ["config", "train", "prepare", "export", "plan", "manifests", "serve"])
 def test_a_config_error_is_one_line_before_any_heavy_import(command, tmp_path):
     """Each command validates the config first: the error comes back before torch, Ray,
     transformers, PEFT or pyarrow is imported (those imports are what took 3-4 s)."""
@@ -70,7 +70,7 @@ def test_a_config_error_is_one_line_before_any_heavy_import(command, tmp_path):
 
 @pytest.mark.parametrize("command", [["plan", "{job}"], ["status", "s3://{bucket}/runs/fail-fast"],
                                      ["report", "s3://{bucket}/runs/fail-fast"], ["export", "{job}"],
-                                     ["prepare", "{job}"]])
+                                     ["prepare", "{job}"], ["serve", "{job}"]])
 def test_a_bucket_name_s3_cannot_have_is_one_line(command, tmp_path):
     """`YOUR-BUCKET`, as the reference configs ship it: refused before any request is sent (the
     endpoint here is a closed port, so a request would be another error)."""
@@ -85,7 +85,7 @@ def test_a_bucket_name_s3_cannot_have_is_one_line(command, tmp_path):
 
 @pytest.mark.parametrize("command", [["plan", "{job}"], ["status", "s3://{bucket}/runs/fail-fast"],
                                      ["report", "s3://{bucket}/runs/fail-fast"], ["export", "{job}"],
-                                     ["prepare", "{job}"]])
+                                     ["prepare", "{job}"], ["serve", "{job}"]])
 def test_an_unreachable_endpoint_is_one_line_in_seconds(command, tmp_path):
     env = unreachable_env(tmp_path)
     job = job_file(tmp_path, "my-bucket")

@@ -54,10 +54,10 @@ def fresh_root(name: str) -> str:
     return f"{MIRROR}-{name}"
 
 
-def job(uri: str, mirror: str, **model):
+def job(uri: str, mirror: str, prepare: dict | None = None, **model):
     return build_config({"name": "hub", "model": {"uri": uri, "mirror_uri": mirror, **model},
                          "data": {"uri": "s3://eft/data/unused", "seq_len": 64}, "training": {"max_steps": 1},
-                         "storage": {"root_uri": "s3://eft/hub-tests/runs"}})
+                         "storage": {"root_uri": "s3://eft/hub-tests/runs"}, "prepare": prepare})
 
 
 def test_a_hub_id_is_pinned_and_mirrored_once_with_its_marker_last(s3, hub, model_dir):
@@ -114,7 +114,8 @@ def test_a_moved_branch_is_a_new_mirror_and_resume_against_it_is_refused(s3, hub
     new_sha = hub.repos[ORG_NAME].commit(files)
     moved, _ = resolve_model(job(f"hf://{ORG_NAME}", root), store)
     assert moved.model.uri.endswith(new_sha) and new_sha != old_sha
-    with pytest.raises(ResumeError, match=rf"model.uri .*{old_sha} → .*{new_sha}"):
+    with pytest.raises(ResumeError, match=rf"model.uri .*{old_sha} → .*{new_sha} \(the hub commit of acme/tiny-llama "
+                                          rf"is now {new_sha}, the run's is {old_sha}: pin hf://{ORG_NAME}@{old_sha}"):
         check_resume(moved, store, manifest={"dataset": "any"})
     # Looking at the run (export, eval) keeps the commit it was trained on.
     from app.elastic.resume import resolve_run_model
@@ -122,7 +123,8 @@ def test_a_moved_branch_is_a_new_mirror_and_resume_against_it_is_refused(s3, hub
     assert resolve_run_model(job(f"hf://{ORG_NAME}", root), store).model.uri == first.model.uri
 
 
-def test_a_mirror_cut_off_midway_is_not_used_and_is_redone(s3, hub):
+def test_a_mirror_cut_off_midway_is_not_used_and_is_redone(s3, hub, monkeypatch):
+    monkeypatch.setattr("app.hub.RETRY_PAUSE_S", 0.01)  # the retries still happen, without the pauses
     store, root = Store(), fresh_root("cut")
     hub.fail_downloads_after = 2
     with pytest.raises(HubError, match=rf"hf://{ORG_NAME}"):
@@ -213,6 +215,8 @@ def test_eft_model_pull_and_ls_through_the_cli(s3, hub, capsys):
     assert main(["model", "ls", root]) == 0
     (line,) = capsys.readouterr().out.strip().splitlines()
     assert line.startswith(f"hf://{ORG_NAME}@{sha}  ") and "files" in line
+    assert main(["model", "ls", fresh_root("cli-empty")]) == 0
+    assert capsys.readouterr().err.strip() == f"eft: no mirrors under {fresh_root('cli-empty')}"
     assert main(["model", "pull", "hf://nope"]) == 1
     assert capsys.readouterr().err.strip() == ("eft: error: eft model pull hf://nope: not a hub id "
                                                "(hf://ORG/NAME or hf://ORG/NAME@REVISION)")
@@ -222,3 +226,91 @@ def test_the_default_mirror_sits_beside_the_runs():
     assert default_mirror_root("s3://bucket/eft/runs") == "s3://bucket/eft/models-mirror"
     assert default_mirror_root("s3://bucket") == "s3://bucket/models-mirror"
     assert default_mirror_root("/data/runs") == "/data/models-mirror"
+
+
+def test_an_endpoint_with_credentials_in_it_is_never_written_with_them(s3, hub, monkeypatch):
+    from urllib.parse import urlparse
+
+    store, root = Store(), fresh_root("userinfo")
+    port = urlparse(hub.endpoint).port
+    monkeypatch.setenv("HF_ENDPOINT", f"http://mirror-user:{TOKEN}@127.0.0.1:{port}")
+    marker = mirror_model(store, f"hf://{ORG_NAME}", root)
+    assert marker["endpoint"] == hub.endpoint
+    assert TOKEN not in store.read_text(join(marker["mirror_uri"], MARKER))
+    with pytest.raises(HubError) as info:
+        mirror_model(store, "hf://acme/nothing", root)
+    assert TOKEN not in str(info.value) and hub.endpoint in str(info.value)
+
+
+def test_plan_reads_only_config_json_from_the_hub_and_writes_nothing(s3, hub):
+    from app.plan import plan_job
+
+    store, root = Store(), fresh_root("plan")
+    sha = hub.repos[ORG_NAME].refs["main"]
+    # Before anything is mirrored: one API call and config.json alone, and nothing is written.
+    plan, _ = plan_job(job(f"hf://{ORG_NAME}", root))
+    assert dict(hub.requests) == {"api": 1, "download": 1} and plan.choice
+    assert not store.list_files(root)
+    # Pinned and mirrored: read from the mirror, without a request.
+    mirror_model(store, f"hf://{ORG_NAME}", root)
+    before = dict(hub.requests)
+    again, _ = plan_job(job(f"hf://{ORG_NAME}@{sha}", root))
+    assert dict(hub.requests) == before and again.to_dict() == plan.to_dict()
+
+
+def test_prepare_preview_tokenizes_with_the_mirrored_tokenizer(s3, hub, model_dir):
+    from transformers import AutoTokenizer
+
+    from app.data.preview import preview_records
+
+    store, root = Store(), fresh_root("preview")
+    store.write_text("s3://eft/hub-tests/raw/preview.jsonl", '{"text": "import os"}\n')
+    cfg = job(f"hf://{ORG_NAME}", root, prepare={"input_uri": "s3://eft/hub-tests/raw/preview.jsonl"})
+    _, (record,) = preview_records(cfg, 1, store)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    want = [tokenizer.bos_token_id, *tokenizer("import os", add_special_tokens=False).input_ids]
+    assert record.input_ids[:len(want)] == want
+    assert [m["complete"] for m in list_mirrors(store, root)] == [True]
+
+
+def test_a_run_from_a_hub_id_prepares_trains_and_exports_from_its_mirror(s3, ray_cluster, hub, tmp_path):
+    """The slow tier's run: prepare resolves the branch and mirrors the repo (its tokenizer tokenizes
+    the data); training, pinned at the sha, asks the hub nothing, and neither do its workers, which
+    read the mirror; the export names the commit."""
+    import yaml
+
+    from app.data.prepare import prepare_dataset
+    from app.dev.tiny import build_corpus, write_jsonl
+    from app.export import export_run
+    from app.train.launch import run_training
+
+    store, root = Store(), fresh_root("e2e")
+    sha = hub.repos[ORG_NAME].refs["main"]
+    mirror = join(root, "acme", "tiny-llama", sha)
+    raw = write_jsonl(({"text": t} for t in build_corpus(max_docs=40)), tmp_path / "corpus.jsonl")
+    store.write_bytes("s3://eft/hub-tests/raw/corpus.jsonl", raw.read_bytes())
+
+    def cfg(uri: str):
+        return build_config({
+            "name": "hub-e2e", "model": {"uri": uri, "mirror_uri": root},
+            "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+            "data": {"uri": "s3://eft/hub-tests/data", "seq_len": 64},
+            "prepare": {"input_uri": "s3://eft/hub-tests/raw/corpus.jsonl"},
+            "training": {"max_steps": 2, "global_batch_size": 4, "micro_batch_size": 2},
+            "checkpoint": {"save_every_steps": 2},
+            "scaling": {"min_workers": 1, "max_workers": 1, "cpus_per_worker": 1},
+            "storage": {"root_uri": "s3://eft/hub-tests/runs"}})
+
+    manifest = prepare_dataset(cfg(f"hf://{ORG_NAME}"), store)
+    assert manifest["splits"]["train"]["rows"] >= 4
+    files = store.read_json(join(mirror, MARKER))["files"]
+    assert dict(hub.requests) == {"api": 1, "download": len(files)}
+    before = dict(hub.requests)
+    summary = run_training(cfg(f"hf://{ORG_NAME}@{sha}"), store)
+    assert summary["status"] == "succeeded" and summary["steps"] == 2
+    assert dict(hub.requests) == before  # the driver read the marker; the workers read the mirror
+    stored = yaml.safe_load(store.read_text(join(cfg(f"hf://{ORG_NAME}").run_uri, "config.yaml")))
+    assert stored["model"]["uri"] == mirror
+    exported = export_run(cfg(f"hf://{ORG_NAME}@{sha}"), store=store)
+    assert exported["base_model_hub"] == {"repo": ORG_NAME, "revision": sha, "sha": sha, "mirror_uri": mirror}
+    assert dict(hub.requests) == before

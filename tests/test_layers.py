@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("plan", ("app.plan", "app.kube")),
     ("eval", ("app.export", "app.eval")),
     ("train", ("app.train",)),
+    ("serve", ("app.serve",)),
     ("front", ("app.cli", "app.report", "app.dev")),
 ]
 

@@ -25,6 +25,7 @@ from app.data.engines import (
     number_parquet_rows, parse_jsonl_files, parse_parquet_rows
 )
 from app.data.prepare import describe_tokenizer, tokenizer_spec
+from app.hub import resolve_model
 from app.storage import Store
 
 READ_CHUNK = 1 << 20
@@ -110,6 +111,9 @@ def preview_records(cfg: JobConfig, count: int, store: Optional[Store] = None):
     if cfg.prepare.inputs is not None:
         raise PrepareError("--preview takes a single prepare.input_uri; preview each of prepare.inputs on its own")
     store = store or Store.from_config(cfg.storage)
+    # A hub id: its pinned mirror, made now if there is none (the prepare that follows needs it);
+    # the dataset is still not written.
+    cfg, _ = resolve_model(cfg, store)
     tokenizer = load_tokenizer(store, cfg.tokenizer_uri)
     chat = load_chat_format(cfg, store, tokenizer)
     inputs = list_input_files(store, cfg.prepare.input_uri, cfg.prepare.input_format)

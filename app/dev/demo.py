@@ -4,8 +4,9 @@ Default job (jobs/configs/tiny-chat.yaml): a tiny Llama pre-trained on Python's 
 (once per bucket, cached on disk) → conversations about Python answered from the same docs →
 chat prepare (one record previewed as training sees it) → LoRA + FSDP2 fine-tune on 2 CPU workers
 with periodic checkpoints, each scored on the task while training goes on → export (adapter +
-merged, chat template included) → the same question asked of the base and of the exported model
-through its own chat template → summary. The headline is a task score: the conversations include
+merged, chat template included) → the same question asked of the base (through its chat template)
+and of the export served by `eft serve` (Ray Serve on loopback, asked through the `openai` client)
+→ summary. The headline is a task score: the conversations include
 a task the base cannot do (the parity of a number, app/dev/tasks.py), and `eft eval` scores the base
 and the export on 100 numbers the fine-tune never saw.
 
@@ -153,6 +154,26 @@ def chat_reply(model_uri: str, store: Store, question: str = QUESTION, max_new_t
     return tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=False)
 
 
+def ask_served_model(export_uri: str, question: str = QUESTION, max_tokens: int = 200) -> tuple[str, str]:
+    """Serve the export (`eft serve`'s start_serve: Ray Serve on loopback, a free port) and ask it one
+    question through the `openai` client, as any OpenAI-speaking program would; the app is deleted
+    afterwards. Returns (the reply, where it was served)."""
+    import openai
+
+    from app.serve.launch import start_serve
+
+    handle = start_serve(export_uri, port=None, app_name="eft-demo")
+    try:
+        # On loopback without a token the server checks none; the client still wants a key to send.
+        client = openai.OpenAI(base_url=handle.url, api_key="no-token-on-loopback", max_retries=0, timeout=120)
+        # Sampled as the base's reply is, but seeded: the same demo prints the same answer.
+        reply = client.chat.completions.create(model=handle.model, messages=[{"role": "user", "content": question}],
+                                               temperature=0.7, top_p=0.9, seed=0, max_tokens=max_tokens)
+        return reply.choices[0].message.content, f"{handle.model} at {handle.url}"
+    finally:
+        handle.stop()
+
+
 def preview_one(cfg, store: Store) -> None:
     """`eft prepare --preview 1`: the first record as prepare tokenizes it (trained tokens in bold)."""
     from rich.console import Console
@@ -248,7 +269,9 @@ def run_demo(config_path: Optional[str] = None, state_dir: Path = Path(".eft"), 
         if chat:
             print(f"question: {QUESTION!r}")
             print(f"base:     {before!r}")
-            print(f"answer:   {chat_reply(exported['merged_uri'], store)!r}")
+            answer, where = ask_served_model(exported["export_uri"])
+            print(f"served:   {where} (eft serve: Ray Serve, OpenAI API)")
+            print(f"answer:   {answer!r}")
         else:
             print(f"sample:   {generate_sample(exported['merged_uri'], store)!r}")
         first, final = summary["first_train_loss"], summary["final_train_loss"]

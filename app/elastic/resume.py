@@ -24,7 +24,7 @@ import yaml
 
 from app.data.manifest import load_manifest
 from app.elastic import checkpoint as ckpt
-from app.hub import is_hub_uri, resolve_model
+from app.hub import describe_sha_change, is_hub_uri, resolve_model
 from app.storage import Store, join
 
 log = logging.getLogger("eft.resume")
@@ -74,6 +74,8 @@ def describe_identity_change(stored: dict, current: dict) -> list[str]:
                         if old.get(k) != new.get(k)]
         elif key == "lora":
             changes.append(f"lora {'r=%s' % old['r'] if old else 'off'} → {'r=%s' % new['r'] if new else 'off'}")
+        elif key == "model.uri" and (moved := describe_sha_change(old, new)):
+            changes.append(f"{key} {old} → {new} ({moved})")
         else:
             changes.append(f"{key} {old} → {new}")
     return changes

@@ -48,12 +48,21 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
 
 def load_model_config(store: Store, model_uri: str):
     """`<model_uri>/config.json` → a transformers config object; ModelError naming the URI."""
-    from transformers import AutoConfig
-
     uri = join(model_uri, "config.json")
     try:
-        tree = json.loads(store.read_bytes(uri))
-    except (StorageError, json.JSONDecodeError, UnicodeDecodeError) as err:
+        data = store.read_bytes(uri)
+    except StorageError as err:
+        raise ModelError(f"{uri}: cannot read the model config ({type(err).__name__})") from None
+    return parse_model_config(data, uri)
+
+
+def parse_model_config(data: bytes, uri: str):
+    """The bytes of a config.json (read at `uri`) → a transformers config object; ModelError naming the URI."""
+    from transformers import AutoConfig
+
+    try:
+        tree = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ModelError(f"{uri}: cannot read the model config ({type(err).__name__})") from None
     if not isinstance(tree, dict) or "model_type" not in tree:
         raise ModelError(f"{uri}: no model_type (not a Hugging Face model config)")

@@ -1,0 +1,275 @@
+"""`eft serve` against a real export on the session's Ray: Ray Serve on loopback, asked through
+the real `openai` client, answers as `generate` on the export answers with the export's chat
+template (greedy); streams whose deltas join to the same text; refuses a wrong or absent token.
+The fast tier checks what is refused before any work: a bind beyond loopback without a token, a
+config or URI with no export, a short token.
+
+The export is the real format, written by `export_run` from a checkpoint written as training
+writes one (tests/test_export.py), of a tiny chat base with ChatML's template; no training run.
+One Serve application serves every cluster test of the module; it is deleted, and Serve shut
+down, at the module's end.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import tempfile
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from app.cli import main
+from app.config import build_config
+from app.dev.tiny import add_chat_template, build_corpus, build_tiny_model, build_tiny_tokenizer
+from app.export import export_run
+from app.storage import Store, join
+from test_export import build_trained_model, write_checkpoint
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+RUNS = "s3://eft/serve-test-runs"
+TOKEN = secrets.token_hex(16)
+QUESTIONS = ["What is a list?", "Explain the import statement.", "How do loops work?"]
+MAX_TOKENS = 12
+
+
+def make_cfg(name: str, base_uri: str):
+    return build_config({
+        "name": name, "model": {"uri": base_uri}, "data": {"uri": "s3://eft/data/unused"},
+        "prepare": {"input_uri": "s3://eft/raw/unused.jsonl", "format": "chat"},
+        "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "o_proj"]},
+        "training": {"max_steps": 10}, "storage": {"root_uri": RUNS},
+    })
+
+
+@pytest.fixture(scope="module")
+def exported(s3):
+    """A LoRA run of a tiny ChatML base, its checkpoint at step 4 exported with merge=True."""
+    store = Store()
+    tokenizer = add_chat_template(build_tiny_tokenizer(build_corpus(max_docs=200), vocab_size=384))
+    model = build_tiny_model(tokenizer, initializer_range=0.5)
+    base_uri = "s3://eft/models/serve-chat"
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        store.upload_dir(tmp, base_uri, last=("config.json",))
+    cfg = make_cfg("serve-run", base_uri)
+    trained, optim = build_trained_model(cfg, seed=3)
+    write_checkpoint(store, cfg.run_uri, trained, optim, step=4, trainable_only=True)
+    return cfg, export_run(cfg, merge=True, store=store)
+
+
+@pytest.fixture(scope="module")
+def reference(exported):
+    """The merged export loaded by transformers, and its greedy answer: `apply_chat_template` with
+    the export's template, `generate`, cut at EOS or <|im_end|>."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    local = Store().cache_locally(exported[1]["merged_uri"])
+    tokenizer = AutoTokenizer.from_pretrained(local)
+    model = AutoModelForCausalLM.from_pretrained(local, dtype=torch.float32).eval()
+    stop = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")]
+
+    def answer(ids: list[int], max_new_tokens: int = MAX_TOKENS) -> str:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones((1, len(ids)), dtype=torch.long),
+                                 max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stop,
+                                 pad_token_id=tokenizer.pad_token_id)
+        tokens = out[0, len(ids):].tolist()
+        cut = next((i for i, t in enumerate(tokens) if t in stop), len(tokens))
+        return tokenizer.decode(tokens[:cut], skip_special_tokens=True)
+
+    def chat(messages: list[dict]) -> str:
+        return answer(list(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                         return_dict=True)["input_ids"]))
+
+    def complete(prompt: str) -> str:
+        # What training put before a text document: BOS, then the text's tokens.
+        return answer([tokenizer.bos_token_id] + tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+    return chat, complete
+
+
+@pytest.fixture(scope="module")
+def served(ray_cluster, exported):
+    """One Serve application on loopback (a free port) serving the export, with a bearer token."""
+    from ray import serve
+
+    from app.serve.launch import start_serve
+
+    handle = start_serve(exported[1]["export_uri"], port=None, token=TOKEN, max_tokens=64)
+    yield handle
+    handle.stop()
+    serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    import openai
+
+    return openai.OpenAI(base_url=served.url, api_key=TOKEN, max_retries=0, timeout=60)
+
+
+# -- through the served model ------------------------------------------------------------------
+
+
+def test_chat_completions_answer_as_generate_with_the_exports_chat_template(served, client, reference):
+    chat, _ = reference
+    conversations = [[{"role": "user", "content": q}] for q in QUESTIONS] + [
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"},
+         {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "What is None?"}]]
+    expected = [chat(m) for m in conversations]
+    assert len(set(expected)) > 1, "a model that answers everything alike cannot tell rendering bugs apart"
+    for messages, want in zip(conversations, expected):
+        reply = client.chat.completions.create(model=served.model, messages=messages, temperature=0,
+                                               max_tokens=MAX_TOKENS)
+        assert reply.choices[0].message.content == want
+        assert reply.choices[0].message.role == "assistant" and reply.model == served.model
+        assert reply.choices[0].finish_reason in ("stop", "length")
+        assert reply.usage.completion_tokens <= MAX_TOKENS and reply.usage.prompt_tokens > 0
+
+
+def test_completions_answer_a_raw_prompt_as_generate(served, client, reference):
+    _, complete = reference
+    prompt = "The return statement leaves"
+    reply = client.completions.create(model=served.model, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS)
+    assert reply.choices[0].text == complete(prompt)
+    assert reply.object == "text_completion"
+
+
+def test_streamed_deltas_join_to_the_non_streamed_text(served, client):
+    messages = [{"role": "user", "content": QUESTIONS[1]}]
+    whole = client.chat.completions.create(model=served.model, messages=messages, temperature=0, max_tokens=40)
+    chunks = list(client.chat.completions.create(model=served.model, messages=messages, temperature=0,
+                                                 max_tokens=40, stream=True,
+                                                 stream_options={"include_usage": True}))
+    deltas = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    assert "".join(deltas) == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+    prompt = "A class definition"
+    text = client.completions.create(model=served.model, prompt=prompt, temperature=0, max_tokens=30).choices[0].text
+    streamed = client.completions.create(model=served.model, prompt=prompt, temperature=0, max_tokens=30, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == text
+
+
+def test_a_stop_sequence_ends_the_answer_before_it(served, client):
+    messages = [{"role": "user", "content": QUESTIONS[0]}]
+    full = client.chat.completions.create(model=served.model, messages=messages, temperature=0,
+                                          max_tokens=40).choices[0].message.content
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    cut = client.chat.completions.create(model=served.model, messages=messages, temperature=0, max_tokens=40,
+                                         stop=[stop])
+    assert cut.choices[0].message.content == full[:full.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    streamed = client.chat.completions.create(model=served.model, messages=messages, temperature=0, max_tokens=40,
+                                              stop=[stop], stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == full[:full.index(stop)]
+
+
+def test_sampling_with_a_seed_repeats_and_unsupported_parameters_are_refused(served, client):
+    import openai
+
+    messages = [{"role": "user", "content": QUESTIONS[2]}]
+    first, second = (client.chat.completions.create(model=served.model, messages=messages, temperature=0.9,
+                                                    top_p=0.9, seed=7, max_tokens=MAX_TOKENS)
+                     for _ in range(2))
+    assert first.choices[0].message.content == second.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="n=1"):
+        client.chat.completions.create(model=served.model, messages=messages, n=2)
+    with pytest.raises(openai.BadRequestError, match="over this server's limit of 64"):
+        client.chat.completions.create(model=served.model, messages=messages, max_tokens=65)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.chat.completions.create(model="another-model", messages=messages)
+
+
+def test_the_token_is_required_and_the_right_one_works(served):
+    import openai
+
+    assert [m.id for m in openai.OpenAI(base_url=served.url, api_key=TOKEN, max_retries=0).models.list()] == [
+        served.model]
+    wrong = openai.OpenAI(base_url=served.url, api_key=TOKEN[:-1] + "x", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.chat.completions.create(model=served.model, messages=[{"role": "user", "content": "Hi"}])
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    # No Authorization header at all; the body is not even read.
+    for path, data in (("/chat/completions", b"not json"), ("/models", None)):
+        request = urllib.request.Request(served.url + path, data=data, method="POST" if data else "GET")
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(request, timeout=30)
+        assert info.value.code == 401
+        assert json.loads(info.value.read())["error"]["code"] == "invalid_api_key"
+
+
+# -- refused before any work -------------------------------------------------------------------
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str]:
+    """`eft serve ARGS` in this process: its exit status and its one line on stderr (what the
+    session's Ray replicas log lands on the same stderr, and is not eft's)."""
+    rc = main(["serve", *args])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("eft:")]
+    assert len(lines) == 1, lines
+    return rc, lines[0]
+
+
+def test_a_bind_beyond_loopback_without_a_token_is_refused_in_one_line(capsys, monkeypatch):
+    monkeypatch.delenv("EFT_SERVE_TOKEN", raising=False)
+    rc, err = run_cli(capsys, "s3://nowhere/export", "--host", "0.0.0.0")
+    assert rc == 2 and err.count("\n") == 0
+    assert err.startswith("eft: error: --host 0.0.0.0 listens beyond this machine") and "token" in err
+
+
+def test_a_short_or_empty_token_is_refused(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("EFT_SERVE_TOKEN", "zq9-tok")
+    rc, err = run_cli(capsys, "s3://nowhere/export")
+    assert rc == 2 and "EFT_SERVE_TOKEN: the token is shorter than 16 characters" in err and "zq9-tok" not in err
+    (tmp_path / "token").write_text("\n")
+    rc, err = run_cli(capsys, "s3://nowhere/export", "--token-file", str(tmp_path / "token"))
+    assert rc == 2 and "the token is empty" in err
+
+
+def test_bad_inputs_fail_in_one_line_before_serve_starts(s3, exported, capsys, tmp_path):
+    cfg, summary = exported
+    rc, err = run_cli(capsys, str(tmp_path / "missing.yaml"))
+    assert rc == 2 and err == f"eft: error: {tmp_path / 'missing.yaml'}: config file not found"
+    rc, err = run_cli(capsys, "s3://eft/serve-test-runs/nothing-here")
+    assert rc == 1 and err.startswith("eft: error: s3://eft/serve-test-runs/nothing-here: no export here")
+    rc, err = run_cli(capsys, summary["merged_uri"])
+    assert rc == 1 and "that is a tree of an export: give the directory above it" in err
+    config = tmp_path / "job.yaml"
+    config.write_text(json.dumps({**json.loads(cfg.model_dump_json()), "name": "never-exported"}))
+    rc, err = run_cli(capsys, str(config))
+    assert rc == 1 and "no export of run s3://eft/serve-test-runs/never-exported" in err and "\n" not in err
+
+
+def test_a_config_serves_its_runs_latest_export(s3, exported, tmp_path):
+    from app.serve.source import resolve_served_model
+
+    cfg, summary = exported
+    config = tmp_path / "job.yaml"
+    config.write_text(cfg.model_dump_json())
+    served = resolve_served_model(str(config))
+    assert (served.export_uri, served.kind, served.model_uri) == (summary["export_uri"], "merged", summary["merged_uri"])
+    assert served.name == "serve-run" and served.step == 4
+    adapter = resolve_served_model(summary["export_uri"], prefer_adapter=True)
+    assert (adapter.kind, adapter.model_uri, adapter.adapter_uri) == ("adapter", cfg.model.uri, summary["adapter_uri"])
+
+
+def test_the_adapter_on_its_base_answers_as_the_merged_export(s3, exported, reference):
+    """The base plus the adapter, as a replica loads it, renders and answers like the merged tree."""
+    from app.serve.generate import Sampling, TextGenerator, iter_pieces, join_pieces
+    from app.serve.source import resolve_served_model
+
+    chat, _ = reference
+    generator = TextGenerator(resolve_served_model(exported[1]["export_uri"], prefer_adapter=True), 64)
+    messages = [{"role": "user", "content": QUESTIONS[0]}]
+    text, finish, _, completion = join_pieces(list(iter_pieces(
+        generator, generator.chat_ids(messages), Sampling(MAX_TOKENS, 0.0, 1.0, (), None))))
+    assert text == chat(messages) and finish in ("stop", "length") and completion <= MAX_TOKENS
