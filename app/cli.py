@@ -229,7 +229,11 @@ def cmd_manifests(args) -> int:
         raise ConfigError("manifests: give a job CONFIG to render, or --check DIR")
     if not args.out:
         raise ConfigError("--out: required (the directory to write the manifests to)")
+    if args.export and not args.serve:
+        raise ConfigError("--export: only with --serve (the export the RayService serves)")
     cfg = _load(args)
+    if args.serve:
+        return write_serve_manifests(cfg, args)
     from app import kube
 
     manifests, warnings = kube.render_checked(cfg, args.overlay, args.image, args.node_type, args.crd_dir)
@@ -238,6 +242,33 @@ def cmd_manifests(args) -> int:
         print(f"eft: warning: {message}", file=sys.stderr)
     print(f"eft: {kube.describe_worker_fabric(manifests)}", file=sys.stderr)
     for path in kube.write_manifests(manifests, args.out):
+        print(path)
+    return 0
+
+
+def write_serve_manifests(cfg, args) -> int:
+    """`eft manifests CONFIG --serve`: a RayService serving the run's export, its Serve config and
+    the equivalent `vllm serve` script."""
+    from pathlib import Path
+
+    from app import kube
+    from app.serve.manifests import render_serve
+
+    rendered = render_serve(cfg, args.config, args.export, args.overlay, args.image, args.node_type, args.crd_dir)
+    for message in dict.fromkeys(w.message for w in rendered.warnings):
+        print(f"eft: warning: {message}", file=sys.stderr)
+    s = cfg.serve
+    print(f"eft: serving {rendered.served.export_uri} as {' / '.join(rendered.model_ids)}: {s.min_replicas}-"
+          f"{s.max_replicas} replica(s) of {rendered.tensor_parallel_size} GPU(s) on {rendered.node}; clients "
+          f"labelled {kube.SERVE_CLIENT_LABEL}=true reach http://{kube.build_service_name(cfg)}-serve-svc:"
+          f"{kube.SERVE_PORT}/v1", file=sys.stderr)
+    for path in kube.write_manifests(rendered.manifests, args.out):
+        print(path)
+    for name, text in rendered.files.items():
+        path = Path(args.out) / name
+        path.write_text(text)
+        if name.endswith(".sh"):
+            path.chmod(0o755)
         print(path)
     return 0
 
@@ -398,13 +429,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-remote-bucket", action="store_true",
                    help="write the demo's s3:// URIs on a non-loopback endpoint (only for a bucket you own)")
     p.set_defaults(fn=cmd_demo)
-    p = sub.add_parser("manifests", help="render KubeRay RayJob/RayCluster/ConfigMap, or --check manifests")
+    p = sub.add_parser("manifests", help="render KubeRay RayJob/RayCluster/ConfigMap (--serve: a RayService "
+                                         "serving the export), or --check manifests")
     p.add_argument("config", nargs="?", help="job YAML to render")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
     p.add_argument("--overlay", default=None, help="eks-spot, gke-spot, kueue or base")
     p.add_argument("--image", default=None,
-                   help="container image built from the Dockerfile, pinned by digest (a tag warns)")
+                   help="container image built from the Dockerfile, pinned by digest (a tag warns); with --serve, "
+                        "default Ray's LLM image (rayproject/ray-llm, vLLM included)")
     p.add_argument("--node-type", default=None, help="worker node type (default: per overlay)")
+    p.add_argument("--serve", action="store_true",
+                   help="render a RayService serving the run's latest export with Ray Serve LLM (vLLM), its "
+                        "serve.yaml and a vllm-serve.sh; the serve section of the config sizes it")
+    p.add_argument("--export", default=None, metavar="URI",
+                   help="with --serve: the export to serve (default: the run's latest)")
     p.add_argument("--out", default=None, help="directory to write configmap/rayjob/raycluster YAML to")
     p.add_argument("--check", default=None, metavar="DIR", help="validate every YAML under DIR (or a file)")
     p.add_argument("--crd-dir", default=None, help="KubeRay CRD directory (default: the KubeRay v1.7.0 CRDs that ship with eft)")

@@ -366,3 +366,16 @@ def dispatch_mode_api() -> tuple[type, Callable, Callable]:
 def no_split_module_names(model) -> set[str]:
     """The class names of a model's blocks that must never be split (its decoder blocks)."""
     return set(getattr(model, "_no_split_modules", None) or [])
+
+
+# -- Ray Serve LLM ---------------------------------------------------------------------------
+
+
+@shim("ray", "ray.llm._internal.serve.core.configs.llm_config.LLMConfig",
+      "ray.serve.llm.LLMConfig, the same model, which imports only where vLLM (or SGLang) is installed; "
+      "eft renders Serve LLM configs on machines without it", "ray 2.60.0")
+def validate_llm_config(config: dict) -> None:
+    """Validate a Serve LLM config dict with Ray's own pydantic model (ValueError on a bad one)."""
+    from ray.llm._internal.serve.core.configs.llm_config import LLMConfig
+
+    LLMConfig.model_validate(config)

@@ -448,6 +448,38 @@ class EvalConfig(_Strict):
         return self
 
 
+class ServeConfig(_Strict):
+    """Serving the run's export on a cluster: `eft manifests CONFIG --serve` renders a KubeRay
+    RayService running Ray Serve LLM (vLLM on GPU workers), the same application as `serve.yaml`,
+    and an equivalent `vllm serve` command line (docs/serving.md). `eft serve` on one machine takes
+    its own flags."""
+
+    min_replicas: int = Field(1, ge=1)
+    """Model replicas kept when idle; each holds `tensor_parallel_size` GPUs."""
+    max_replicas: int = Field(4, ge=1)
+    """Replicas Serve's autoscaler adds under load; the GPU worker group grows to hold them."""
+    target_ongoing_requests: int = Field(16, gt=0)
+    """Requests in flight per replica that the autoscaler aims for: above it, it adds replicas."""
+    tensor_parallel_size: Optional[int] = Field(None, gt=0)
+    """GPUs per replica. Default: the fewest (a power of two, within one node) that hold the weights
+    in half their memory, leaving the other half to vLLM's KV cache."""
+    max_model_len: Optional[int] = Field(None, gt=0)
+    """The longest prompt plus answer a request may have, in tokens; default the model's own."""
+    adapter: bool = False
+    """Serve the base plus the run's LoRA adapters, which Serve LLM loads on demand from
+    `<run>/adapters/<checkpoint>/` (clients ask for `<name>-base:<checkpoint>`), instead of the
+    merged model. Needs a `lora` section."""
+    max_adapters_per_replica: int = Field(16, gt=0)
+    """With `adapter`: how many adapters one replica holds at once (the least recently used goes)."""
+
+    @model_validator(mode="after")
+    def _replicas(self) -> "ServeConfig":
+        """`min_replicas` <= `max_replicas`."""
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"serve.min_replicas ({self.min_replicas}) > serve.max_replicas ({self.max_replicas})")
+        return self
+
+
 class CheckpointConfig(_Strict):
     """Sharded checkpoints (DCP) under the run, and when they are taken."""
 
@@ -567,6 +599,7 @@ class JobConfig(_Strict):
     fault_tolerance: FaultToleranceConfig = Field(default_factory=FaultToleranceConfig)
     storage: StorageConfig
     eval: Optional[EvalConfig] = None
+    serve: ServeConfig = Field(default_factory=ServeConfig)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "JobConfig":
@@ -595,6 +628,8 @@ class JobConfig(_Strict):
         if t.loss == "liger" and not s.use_gpu:
             raise ValueError("training.loss liger needs scaling.use_gpu: true (liger-kernel runs on GPU only); "
                              "use training.loss: chunked on CPU")
+        if self.serve.adapter and self.lora is None:
+            raise ValueError("serve.adapter: true needs a lora section (a full fine-tune exports a merged model only)")
         self._check_preference()
         return self
 

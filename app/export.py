@@ -10,6 +10,10 @@ Both trees carry the chat template conversations were trained with (see export_t
 `AutoTokenizer.from_pretrained(tree).apply_chat_template(...)` renders the training format.
   export.json   what was exported from which checkpoint; written last, so a reader that
                 finds it finds complete trees
+A LoRA export also publishes its adapter at `<run>/adapters/<checkpoint dir name>/`, one folder per
+exported checkpoint: the layout Ray Serve LLM's dynamic LoRA loading reads
+(`lora_config.dynamic_lora_loading_path: <run>/adapters`, each subfolder an adapter it loads on
+demand), so a RayService of the run serves every exported checkpoint without a redeploy.
 A QLoRA run (`lora.quantize_base: nf4`) exports the same way: its checkpoint holds adapters only,
 the export model is the original unquantized base, and merging folds the adapters into those
 original weights (QLoRA's usual practice), never into the NF4 rounding they were trained over.
@@ -39,6 +43,7 @@ EXPORT_DIR = "export"
 EXPORT_MANIFEST = "export.json"
 ADAPTER = "adapter"
 MERGED = "merged"
+ADAPTERS_DIR = "adapters"  # <run>/adapters/<checkpoint>/: Serve LLM's dynamic LoRA layout
 
 
 class ExportError(RuntimeError):
@@ -108,6 +113,8 @@ def write_export_trees(cfg: JobConfig, model, tokenizer, base_dir: Path, kinds: 
         save_adapter(model, cfg.model.uri, local_dir / ADAPTER)
         tokenizer.save_pretrained(local_dir / ADAPTER)
         written["adapter_uri"] = join(out_uri, ADAPTER)
+        written["adapter_id"] = out_uri.rstrip("/").rsplit("/", 1)[-1]
+        written["adapters_uri"] = join(cfg.run_uri, ADAPTERS_DIR)
     if MERGED in kinds:
         merged = model.merge_and_unload() if cfg.lora else model
         written["merged_dtype"] = save_merged(merged, base_dir, tokenizer, local_dir / MERGED)
@@ -235,11 +242,18 @@ def read_base_dtype(base_dir: Path) -> str:
 
 def publish_export(store: Store, local_dir: Path, out_uri: str, summary: dict) -> None:
     """Committed-or-absent: any earlier export of this checkpoint goes first, each tree's config
-    file lands after its weights, and export.json lands after everything."""
+    file lands after its weights, and export.json lands after everything. The adapter's copy for
+    Serve LLM lands before export.json too: Serve lists that folder and loads an adapter when a
+    request names it, and an adapter without its adapter_config.json fails that request rather than
+    serving something half-written."""
     if store.exists(out_uri):
         store.delete_prefix(out_uri)
     if (local_dir / ADAPTER).is_dir():
         store.upload_dir(local_dir / ADAPTER, join(out_uri, ADAPTER), last=("adapter_config.json",))
+        served = join(summary["adapters_uri"], summary["adapter_id"])
+        if store.exists(served):
+            store.delete_prefix(served)
+        store.upload_dir(local_dir / ADAPTER, served, last=("adapter_config.json",))
     if (local_dir / MERGED).is_dir():
         store.upload_dir(local_dir / MERGED, join(out_uri, MERGED), last=("config.json",))
     store.write_json(join(out_uri, EXPORT_MANIFEST), summary)

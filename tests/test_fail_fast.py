@@ -70,12 +70,13 @@ def test_a_config_error_is_one_line_before_any_heavy_import(command, tmp_path):
 
 @pytest.mark.parametrize("command", [["plan", "{job}"], ["status", "s3://{bucket}/runs/fail-fast"],
                                      ["report", "s3://{bucket}/runs/fail-fast"], ["export", "{job}"],
-                                     ["prepare", "{job}"], ["serve", "{job}"]])
+                                     ["prepare", "{job}"], ["serve", "{job}"],
+                                     ["manifests", "{job}", "--serve", "--overlay", "base", "--out", "{out}"]])
 def test_a_bucket_name_s3_cannot_have_is_one_line(command, tmp_path):
     """`YOUR-BUCKET`, as the reference configs ship it: refused before any request is sent (the
     endpoint here is a closed port, so a request would be another error)."""
     job = job_file(tmp_path, "YOUR-BUCKET")
-    args = [a.format(job=job, bucket="YOUR-BUCKET") for a in command]
+    args = [a.format(job=job, bucket="YOUR-BUCKET", out=tmp_path / "out") for a in command]
     out = eft(*args, env=unreachable_env(tmp_path))
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 1 and len(lines) == 1, out.stderr
@@ -85,11 +86,12 @@ def test_a_bucket_name_s3_cannot_have_is_one_line(command, tmp_path):
 
 @pytest.mark.parametrize("command", [["plan", "{job}"], ["status", "s3://{bucket}/runs/fail-fast"],
                                      ["report", "s3://{bucket}/runs/fail-fast"], ["export", "{job}"],
-                                     ["prepare", "{job}"], ["serve", "{job}"]])
+                                     ["prepare", "{job}"], ["serve", "{job}"],
+                                     ["manifests", "{job}", "--serve", "--overlay", "base", "--out", "{out}"]])
 def test_an_unreachable_endpoint_is_one_line_in_seconds(command, tmp_path):
     env = unreachable_env(tmp_path)
     job = job_file(tmp_path, "my-bucket")
-    out = eft(*[a.format(job=job, bucket="my-bucket") for a in command], env=env)
+    out = eft(*[a.format(job=job, bucket="my-bucket", out=tmp_path / "out") for a in command], env=env)
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 1 and len(lines) == 1, out.stderr
     assert lines[0].startswith(f"eft: error: cannot reach S3 endpoint {env['AWS_ENDPOINT_URL']} (for s3://my-bucket/"), \

@@ -490,7 +490,8 @@ def test_check_without_crds_fails_naming_the_path(tmp_path):
     result = run_cli("--check", str(ROOT / "kuberay" / "base"), "--crd-dir", str(tmp_path / "no-crds"))
     assert result.returncode == 2
     assert result.stderr.strip() == f"eft: error: --crd-dir: {tmp_path / 'no-crds'}: KubeRay CRD directory not " \
-                                    "found (expected ray.io_rayclusters.yaml, ray.io_rayjobs.yaml)"
+                                    "found (expected ray.io_rayclusters.yaml, ray.io_rayjobs.yaml, " \
+                                    "ray.io_rayservices.yaml)"
 
 
 def test_installed_package_carries_the_crds_and_checks_from_any_directory(tmp_path):
@@ -540,3 +541,117 @@ def test_a_config_with_an_eval_set_renders_an_eval_job_too(overlay, schemas):
     assert job["spec"].get("suspend") == train["spec"].get("suspend")
     assert violations_of(docs, schemas) == []
     assert "rayjob-eval.yaml" not in kube.build_manifests(load_config(REFERENCE), overlay, IMAGE)
+
+
+# ----------------------------------------------------------------------------- serving: RayService
+
+
+def build_service(config: Path, overlay: str, adapter: bool = False) -> dict:
+    """The RayService manifests of a config's export, as `eft manifests --serve` renders them (the
+    export's facts given here instead of read from a bucket: tests/test_serve.py reads a real one)."""
+    from app.serve.llm_config import build_llm_config_dict, build_serve_app_config, check_llm_config
+    from app.serve.source import ServedModel
+
+    cfg = load_config(config)
+    export = f"{cfg.run_uri}/export/checkpoint-00001000"
+    served = ServedModel(name=cfg.name, export_uri=export, kind="adapter" if adapter else "merged",
+                         model_uri=cfg.model.uri if adapter else f"{export}/merged",
+                         adapter_uri=f"{export}/adapter" if adapter else None,
+                         tokenizer_uri=f"{export}/adapter" if adapter else f"{export}/merged", step=1000,
+                         endpoint=None, region="us-east-1", adapters_uri=f"{cfg.run_uri}/adapters" if adapter else None,
+                         adapter_id="checkpoint-00001000" if adapter else None)
+    llm = build_llm_config_dict(served, tensor_parallel_size=4, chat_template="{{ messages }}",
+                                lora_rank=cfg.lora.r if adapter else None)
+    check_llm_config(llm)
+    return kube.build_service_manifests(cfg, build_serve_app_config([llm]), 4, overlay, None)
+
+
+@pytest.fixture(scope="module")
+def service():
+    return build_service(REFERENCE, "eks-spot")
+
+
+@pytest.mark.parametrize("overlay", ["base", "eks-spot", "gke-spot", "kueue"])
+@pytest.mark.parametrize("adapter", [False, True], ids=["merged", "adapter"])
+def test_rayservice_passes_the_strict_crd_and_the_policy(overlay, adapter, schemas):
+    docs = build_service(REFERENCE, overlay, adapter)
+    assert sorted(docs) == ["networkpolicy-serve.yaml", "poddisruptionbudget-serve.yaml", "rayservice.yaml",
+                            "serviceaccount.yaml"]
+    assert violations_of(docs, schemas) == []
+
+
+def test_rayservice_is_authenticated_hardened_and_scales_on_gpu_workers(service):
+    spec = service["rayservice.yaml"]["spec"]
+    cluster = spec["rayClusterConfig"]
+    assert cluster["authOptions"] == {"mode": "token"} and cluster["enableInTreeAutoscaling"] is True
+    head, [group] = cluster["headGroupSpec"]["template"], cluster["workerGroupSpecs"]
+    for pod in (head, group["template"]):
+        container = pod["spec"]["containers"][0]
+        assert container["securityContext"]["runAsNonRoot"] is True
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True
+        assert {"name": "serve", "containerPort": 8000} in container["ports"]
+        assert {"name": "HF_HUB_OFFLINE", "value": "1"} in container["env"]
+        assert pod["spec"]["serviceAccountName"] == "eft" and pod["spec"]["automountServiceAccountToken"] is False
+        assert pod["metadata"]["labels"]["eft/run"] == "llama3-70b-lora-serve"
+    assert not kube.selects_spot(head["spec"]) and kube.selects_spot(group["template"]["spec"])
+    # 1 to 4 replicas of 4 GPUs: two to a p4d node, so one to two pods.
+    assert (group["minReplicas"], group["maxReplicas"]) == (1, 2)
+    assert group["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    app = yaml.safe_load(spec["serveConfigV2"])
+    assert app["applications"][0]["import_path"] == "ray.serve.llm:build_openai_app"
+    # Only serve clients reach the Serve port; everyone else outside gets the head's client ports at most.
+    rules = service["networkpolicy-serve.yaml"]["spec"]["ingress"]
+    serve_rules = [r for r in rules if {"protocol": "TCP", "port": 8000} in r.get("ports", [])]
+    assert serve_rules == [{"from": [{"podSelector": {"matchLabels": {"eft/serve-client": "true"}}}],
+                            "ports": [{"protocol": "TCP", "port": 8000}]}]
+
+
+SERVICE_SKIPS = {"replicas off the config"}  # a service is sized by its serve section, not training's scaling
+
+
+@pytest.mark.parametrize("case", sorted(set(MUTATIONS) - SERVICE_SKIPS))
+def test_rayservice_checks_bite_as_the_clusters_do(case, service, schemas):
+    dotted, value, field, message = MUTATIONS[case]
+    prefix = "spec.rayClusterConfig."
+    if dotted.startswith("spec."):
+        dotted, field = prefix + dotted[len("spec."):], prefix + field[len("spec."):]
+    if case == "API token in the Ray container":
+        dotted = dotted.replace("volumeMounts.9", "volumeMounts.3")
+    if case == "literal AWS secret":
+        dotted, field = (x.replace("env.3", "env.2").replace("env[3]", "env[2]") for x in (dotted, field))
+    docs = dict(service, **{"rayservice.yaml": mutate(service["rayservice.yaml"], dotted, value)})
+    found = violations_of(docs, schemas)
+    assert any(line.startswith(f"rayservice.yaml: {field}: ") and message in line for line in found), found
+
+
+SERVICE_MUTATIONS = {
+    "misspelled service field": ("rayservice.yaml", "spec.serveConfigV3", "x", "spec.serveConfigV3", "unknown field"),
+    "serve config not YAML": ("rayservice.yaml", "spec.serveConfigV2", "applications: [", "spec.serveConfigV2",
+                              "not valid YAML"),
+    "serve config without apps": ("rayservice.yaml", "spec.serveConfigV2", "http_options: {}\n",
+                                  "spec.serveConfigV2", "names no applications"),
+    "Ray clients reach the Serve port": ("networkpolicy-serve.yaml", "spec.ingress.2.ports.2",
+                                         {"protocol": "TCP", "port": 8000}, "spec.ingress[2].ports",
+                                         "may reach only ports [8265, 10001]"),
+    "serve clients from any namespace": ("networkpolicy-serve.yaml", "spec.ingress.1.from.0.namespaceSelector", {},
+                                         "spec.ingress[1].ports", "may reach only ports [8265, 10001]"),
+    "serve port open to all": ("networkpolicy-serve.yaml", "spec.ingress.1.from", [], "spec.ingress[1].from",
+                               "admits everyone"),
+}
+
+
+@pytest.mark.parametrize("case", SERVICE_MUTATIONS, ids=list(SERVICE_MUTATIONS))
+def test_rayservice_specific_checks_bite(case, service, schemas):
+    kind, dotted, value, field, message = SERVICE_MUTATIONS[case]
+    docs = dict(service, **{kind: mutate(service[kind], dotted, value)})
+    found = violations_of(docs, schemas)
+    assert any(line.startswith(f"{kind}: {field}: ") and message in line for line in found), found
+
+
+@pytest.mark.parametrize("kind", ["networkpolicy-serve.yaml", "poddisruptionbudget-serve.yaml"])
+def test_a_service_needs_its_own_network_policy_and_head_budget(kind, service, reference, schemas):
+    """The training run's policy and budget select the run's pods, not the service's."""
+    docs = dict({k: v for k, v in service.items() if k != kind}, **reference)
+    missing = "NetworkPolicy" if kind.startswith("networkpolicy") else "PodDisruptionBudget"
+    assert f"rayservice.yaml: metadata.labels['eft/run']: service 'llama3-70b-lora-serve' has no {missing} " \
+           "selecting its pods" in violations_of(docs, schemas)

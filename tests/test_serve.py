@@ -273,3 +273,138 @@ def test_the_adapter_on_its_base_answers_as_the_merged_export(s3, exported, refe
     text, finish, _, completion = join_pieces(list(iter_pieces(
         generator, generator.chat_ids(messages), Sampling(MAX_TOKENS, 0.0, 1.0, (), None))))
     assert text == chat(messages) and finish in ("stop", "length") and completion <= MAX_TOKENS
+
+
+# -- on a cluster: `eft manifests --serve` -----------------------------------------------------
+
+
+def render_serve_cli(capsys, cfg, out, *extra: str) -> tuple[int, str]:
+    """`eft manifests CONFIG --serve` in this process, the config as a file; (exit status, stderr)."""
+    config = out.parent / f"{out.name}-job.yaml"
+    config.write_text(cfg.model_dump_json())
+    rc = main(["manifests", str(config), "--serve", "--overlay", "eks-spot", "--out", str(out), *extra])
+    return rc, capsys.readouterr().err
+
+
+def test_an_export_publishes_its_adapter_where_serve_llm_loads_adapters(s3, exported):
+    """<run>/adapters/<checkpoint>/: the same files as the export's adapter tree, which PEFT loads."""
+    from peft import PeftConfig
+
+    cfg, summary = exported
+    store = Store()
+    published = join(summary["adapters_uri"], summary["adapter_id"])
+    assert (summary["adapters_uri"], summary["adapter_id"]) == (join(cfg.run_uri, "adapters"), "checkpoint-00000004")
+    assert store.list_file_sizes(published) == store.list_file_sizes(summary["adapter_uri"])
+    assert store.read_bytes(join(published, "adapter_model.safetensors")) == \
+        store.read_bytes(join(summary["adapter_uri"], "adapter_model.safetensors"))
+    assert PeftConfig.from_pretrained(str(store.cache_locally(published))).r == 4
+
+
+def test_manifests_serve_render_a_rayservice_of_the_merged_export_that_passes_the_checks(s3, exported, tmp_path,
+                                                                                          capsys):
+    import yaml
+    from transformers import AutoTokenizer
+
+    from app.serve.llm_config import check_llm_config
+
+    cfg, summary = exported
+    out = tmp_path / "serve"
+    rc, err = render_serve_cli(capsys, cfg, out, "--node-type", "p4de.24xlarge")
+    assert rc == 0, err
+    assert sorted(p.name for p in out.iterdir()) == [
+        "chat_template.jinja", "networkpolicy-serve.yaml", "poddisruptionbudget-serve.yaml", "rayservice.yaml",
+        "serve.yaml", "serviceaccount.yaml", "vllm-serve.sh"]
+    assert f"serving {summary['export_uri']} as serve-run: 1-4 replica(s) of 1 GPU(s) on p4de.24xlarge" in err
+    # The whole directory passes the strict CRD schemas and the policy, as a user would check it.
+    assert main(["manifests", "--check", str(out)]) == 0
+
+    service = yaml.safe_load((out / "rayservice.yaml").read_text())
+    app = yaml.safe_load(service["spec"]["serveConfigV2"])
+    assert app == yaml.safe_load((out / "serve.yaml").read_text())
+    [llm] = app["applications"][0]["args"]["llm_configs"]
+    check_llm_config(llm)
+    assert app["applications"][0]["import_path"] == "ray.serve.llm:build_openai_app"
+    assert llm["model_loading_config"] == {"model_id": "serve-run", "model_source": summary["merged_uri"]}
+    assert "lora_config" not in llm
+    # The template is the export's own, the one training rendered with.
+    tokenizer = AutoTokenizer.from_pretrained(Store().cache_locally(summary["merged_uri"]))
+    assert llm["engine_kwargs"]["chat_template"] == tokenizer.chat_template == \
+        (out / "chat_template.jinja").read_text()
+    assert llm["deployment_config"]["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4,
+                                                              "target_ongoing_requests": 16}
+    # The endpoint is the config's (none here): this shell's AWS_ENDPOINT_URL (loopback) stays out of the
+    # cluster's manifests, and the replicas never reach for the hub.
+    assert llm["runtime_env"]["env_vars"] == {"HF_HUB_OFFLINE": "1"}
+    assert service["metadata"]["annotations"]["eft/export-uri"] == summary["export_uri"]
+    # 4 replicas of 1 GPU fit one 8-GPU node: one pod, whatever the load.
+    group = service["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+    assert (group["minReplicas"], group["maxReplicas"]) == (1, 1)
+    assert group["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8"
+
+    script = (out / "vllm-serve.sh").read_text()
+    assert f"aws s3 sync --only-show-errors {summary['merged_uri']}" in script
+    assert "--served-model-name serve-run" in script and '--chat-template "$here/chat_template.jinja"' in script
+    assert "--enable-lora" not in script and (out / "vllm-serve.sh").stat().st_mode & 0o111
+    check_shell(out / "vllm-serve.sh")
+
+
+def check_shell(path) -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    shellcheck = Path(sys.executable).parent / "shellcheck"
+    result = subprocess.run([str(shellcheck), "-s", "bash", str(path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_manifests_serve_with_adapters_load_the_runs_adapters_on_demand(s3, exported, tmp_path, capsys):
+    import yaml
+
+    cfg, summary = exported
+    out = tmp_path / "serve-adapter"
+    rc, err = render_serve_cli(capsys, cfg, out, "--set", "serve.adapter=true", "--set", "serve.max_replicas=16",
+                               "--node-type", "g5.12xlarge")
+    assert rc == 0, err
+    assert "as serve-run-base / serve-run-base:checkpoint-00000004" in err
+    assert main(["manifests", "--check", str(out)]) == 0
+    service = yaml.safe_load((out / "rayservice.yaml").read_text())
+    [llm] = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"]["llm_configs"]
+    assert llm["model_loading_config"] == {"model_id": "serve-run-base", "model_source": cfg.model.uri}
+    assert llm["lora_config"] == {"dynamic_lora_loading_path": summary["adapters_uri"],
+                                  "max_num_adapters_per_replica": 16}
+    assert llm["engine_kwargs"]["enable_lora"] is True and llm["engine_kwargs"]["max_lora_rank"] == 8  # r = 4
+    # 16 replicas of 1 GPU on 4-GPU nodes: 1 to 4 pods as Serve scales.
+    group = service["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+    assert (group["minReplicas"], group["maxReplicas"]) == (1, 4)
+    script = (out / "vllm-serve.sh").read_text()
+    assert "--enable-lora" in script and "--lora-modules serve-run-base:checkpoint-00000004=" in script
+    assert f"aws s3 sync --only-show-errors {summary['adapter_uri']}" in script
+    check_shell(out / "vllm-serve.sh")
+
+
+def test_manifests_serve_bad_inputs_are_one_line_before_anything_is_written(s3, exported, tmp_path, capsys):
+    cfg, _ = exported
+    never = cfg.model_copy(update={"name": "never-exported"})
+    rc, err = render_serve_cli(capsys, never, tmp_path / "a")
+    assert rc == 1 and "no export of run s3://eft/serve-test-runs/never-exported" in err
+    rc, err = render_serve_cli(capsys, cfg, tmp_path / "b", "--node-type", "m6i.2xlarge")
+    assert rc == 2 and "m6i.2xlarge has no GPUs" in err
+    rc, err = render_serve_cli(capsys, cfg, tmp_path / "c", "--set", "serve.tensor_parallel_size=3")
+    assert rc == 2 and "serve.tensor_parallel_size: 3 GPUs per replica do not divide" in err
+    rc, err = render_serve_cli(capsys, cfg, tmp_path / "d", "--export", "s3://eft/serve-test-runs/nothing")
+    assert rc == 1 and "s3://eft/serve-test-runs/nothing: no export here" in err
+    assert not any((tmp_path / d).exists() for d in "abcd")
+    rc = main(["manifests", "jobs/configs/tiny-cpu.yaml", "--export", "s3://x/y", "--out", str(tmp_path / "e")])
+    assert rc == 2 and "--export: only with --serve" in capsys.readouterr().err
+
+
+def test_the_llm_config_of_an_adapter_export_written_before_adapters_were_published_is_refused(exported):
+    from dataclasses import replace
+
+    from app.serve.llm_config import LLMConfigError, build_llm_config_dict
+    from app.serve.source import resolve_served_model
+
+    served = replace(resolve_served_model(exported[1]["export_uri"], prefer_adapter=True), adapters_uri=None)
+    with pytest.raises(LLMConfigError, match="did not publish its adapter for Serve LLM"):
+        build_llm_config_dict(served, lora_rank=4)

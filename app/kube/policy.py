@@ -19,6 +19,7 @@ from app.kube.render import (API_TOKEN_MOUNT, CONFIG_MOUNT, DRAIN_ENV, ENTRYPOIN
                              HEAD_CLIENT_PORTS, KUEUE_QUEUE_LABEL, RUN_LABEL, SAFE_TO_EVICT, SPOT_LABELS, TMP_MOUNT,
                              build_manifests, check_image, warn_image)
 from app.kube.schema import ERROR, WARNING, Violation, check_schema, format_path, load_schemas
+from app.kube.service import SERVE_CLIENT_LABEL, SERVE_PORT, build_service_manifests
 from app.nodes import DAEMONS, FABRICS, NODE_TYPES, Fabric
 
 SECRET_NAME = re.compile(r"SECRET|PASSWORD|TOKEN|ACCESS_KEY|API_KEY|CREDENTIAL|PRIVATE_KEY", re.I)
@@ -272,7 +273,9 @@ def check_pod(pod: dict, at: str, *, ray: bool) -> list[tuple]:
     return out
 
 
-def check_cluster_spec(spec: dict, at: str) -> list[tuple]:
+def check_cluster_spec(spec: dict, at: str, training: bool = True) -> list[tuple]:
+    """`training`: a worker group spanning nodes must have its fabric (serving replicas, each
+    within a node, need none)."""
     out = []
     if get(spec, "authOptions", "mode") != "token":
         out.append((f"{at}.authOptions.mode", f"{get(spec, 'authOptions', 'mode')!r} must be 'token' (anyone who "
@@ -309,7 +312,8 @@ def check_cluster_spec(spec: dict, at: str) -> list[tuple]:
             out.append((f"{gat}.minReplicas", f"{lo} > maxReplicas ({hi})"))
         tpl = group.get("template") or {}
         out += check_pod(tpl, f"{gat}.template", ray=True)
-        out += check_worker_fabric(group, gat)
+        if training:
+            out += check_worker_fabric(group, gat)
         pod_spec = tpl.get("spec") or {}
         for key in selects_spot(pod_spec):
             if not tolerates(pod_spec, key):
@@ -351,9 +355,36 @@ def check_ray_job(doc: dict) -> list[tuple]:
     return out
 
 
+def check_ray_service(doc: dict) -> list[tuple]:
+    """The RayService's cluster keeps every rule a RayCluster keeps; its Serve config is YAML
+    naming at least one application by import path."""
+    spec = doc.get("spec") or {}
+    out = check_cluster_spec(spec.get("rayClusterConfig") or {}, "spec.rayClusterConfig", training=False)
+    try:
+        serve = yaml.safe_load(spec.get("serveConfigV2") or "")
+    except yaml.YAMLError as err:
+        return out + [("spec.serveConfigV2", f"not valid YAML ({getattr(err, 'problem', None) or err})")]
+    apps = serve.get("applications") if isinstance(serve, dict) else None
+    if not apps or not isinstance(apps, list):
+        return out + [("spec.serveConfigV2", "names no applications (a Serve config file's `applications` list)")]
+    for i, app in enumerate(apps):
+        if not isinstance(app, dict) or not app.get("import_path"):
+            out.append((f"spec.serveConfigV2.applications[{i}]", "no import_path"))
+    return out
+
+
+def allowed_outside_ports(peer: dict) -> set:
+    """Ports a peer outside the run may reach: the head's client ports, and the Serve port for
+    pods labelled as serve clients."""
+    ports = set(HEAD_CLIENT_PORTS.values())
+    if get(peer, "podSelector", "matchLabels", SERVE_CLIENT_LABEL) == "true" and "namespaceSelector" not in peer:
+        ports.add(SERVE_PORT)
+    return ports
+
+
 def check_network_policy(doc: dict) -> list[tuple]:
     """Ingress only: each rule names its peers (no rule open to all), no ipBlock, and a peer
-    outside the run reaches only the head's client ports."""
+    outside the run reaches only the head's client ports (a serve client: the Serve port too)."""
     spec = doc.get("spec") or {}
     out = []
     if "Ingress" not in (spec.get("policyTypes") or []):
@@ -361,7 +392,6 @@ def check_network_policy(doc: dict) -> list[tuple]:
     if not get(spec, "podSelector", "matchLabels", RUN_LABEL):
         out.append(("spec.podSelector.matchLabels", f"must select the run's pods by {RUN_LABEL}"))
     run = get(spec, "podSelector", "matchLabels", RUN_LABEL)
-    allowed_ports = set(HEAD_CLIENT_PORTS.values())
     for i, rule in enumerate(spec.get("ingress") or []):
         peers = rule.get("from") or []
         if not peers:
@@ -371,6 +401,7 @@ def check_network_policy(doc: dict) -> list[tuple]:
                 out.append((f"spec.ingress[{i}].from[{j}].ipBlock", "ipBlock admits addresses, not the run's pods"))
             own = get(peer, "podSelector", "matchLabels", RUN_LABEL) == run and "namespaceSelector" not in peer
             ports = {p.get("port") for p in rule.get("ports") or []}
+            allowed_ports = allowed_outside_ports(peer)
             if not own and (not ports or not ports <= allowed_ports):
                 out.append((f"spec.ingress[{i}].ports", f"pods outside the run may reach only ports "
                                                         f"{sorted(allowed_ports)}"))
@@ -384,6 +415,8 @@ def check_policy(doc: dict) -> list[tuple]:
         out += check_cluster_spec(doc.get("spec") or {}, "spec")
     elif doc.get("kind") == "RayJob":
         out += check_ray_job(doc)
+    elif doc.get("kind") == "RayService":
+        out += check_ray_service(doc)
     elif doc.get("kind") == "NetworkPolicy":
         out += check_network_policy(doc)
     elif doc.get("kind") == "ServiceAccount" and get(doc, "metadata", "name") == "default":
@@ -444,6 +477,12 @@ def check_documents(docs: list[tuple[str, Any]], schemas: dict) -> list[Violatio
             if cfg is not None:
                 configs[get(doc, "metadata", "name", default="")] = cfg
     for manifest, doc in docs:
+        if isinstance(doc, dict) and doc.get("kind") == "RayService":
+            # A service is a complete deployable on its own: its policy and budget come with it.
+            run = get(doc, "metadata", "labels", RUN_LABEL, default="")
+            out += [Violation(manifest, f"metadata.labels[{RUN_LABEL!r}]", f"service {run!r} has no {kind} "
+                                                                            f"selecting its pods")
+                    for kind in check_run_is_fenced(docs, run)]
         if not isinstance(doc, dict) or doc.get("kind") not in ("RayCluster", "RayJob"):
             continue
         at = "spec.rayClusterSpec" if doc["kind"] == "RayJob" else "spec"
@@ -489,9 +528,15 @@ def read_yaml_documents(path: Path) -> list[Any]:
                        f"and kind)") for d in found]
 
 
+def is_serve_config(doc: Any) -> bool:
+    """A Ray Serve config file (`serve deploy FILE`): its `applications`, no Kubernetes kind."""
+    return isinstance(doc, dict) and "applications" in doc and "kind" not in doc and "apiVersion" not in doc
+
+
 def load_documents(target: str | Path) -> list[tuple[str, Any]]:
     """(label, document) for every YAML document under a file or directory; a file that holds no
-    manifest gives (file, Unreadable(why)). Kustomization files are not manifests and are skipped;
+    manifest gives (file, Unreadable(why)). Kustomization files and Serve config files (the
+    `serve.yaml` beside a RayService) are not manifests and are skipped;
     a multi-document file labels each `file#Kind/name`."""
     target = Path(target)
     if not target.exists():
@@ -502,6 +547,8 @@ def load_documents(target: str | Path) -> list[tuple[str, Any]]:
         if path.name in ("kustomization.yaml", "kustomization.yml"):
             continue
         found = read_yaml_documents(path)
+        if all(is_serve_config(doc) for doc in found):
+            continue  # a Serve config file beside the RayService (serve.yaml): Ray's, not Kubernetes'
         for doc in found:
             label = str(path)
             if len(found) > 1 and isinstance(doc, dict):
@@ -525,6 +572,17 @@ def render_checked(cfg: JobConfig, overlay: Optional[str], image: Optional[str],
                    crd_dir: str | Path | None = None) -> tuple[dict[str, dict], list[Violation]]:
     """build_manifests, refusing to hand out anything the validator rejects; (manifests, warnings)."""
     manifests = build_manifests(cfg, overlay, image, node_type)
+    problems = check_documents(list(manifests.items()), load_schemas(crd_dir))
+    if errors := errors_of(problems):
+        raise ValueError(f"rendered manifests fail validation: {errors[0]}")
+    return manifests, problems
+
+
+def render_service_checked(cfg: JobConfig, serve_app: dict, gpus_per_replica: int, overlay: Optional[str],
+                           image: Optional[str], node_type: Optional[str] = None, crd_dir: str | Path | None = None,
+                           annotations: Optional[dict] = None) -> tuple[dict[str, dict], list[Violation]]:
+    """build_service_manifests, refusing to hand out anything the validator rejects; (manifests, warnings)."""
+    manifests = build_service_manifests(cfg, serve_app, gpus_per_replica, overlay, image, node_type, annotations)
     problems = check_documents(list(manifests.items()), load_schemas(crd_dir))
     if errors := errors_of(problems):
         raise ValueError(f"rendered manifests fail validation: {errors[0]}")

@@ -282,26 +282,31 @@ def build_labels(name: str) -> dict:
 
 
 def build_pod_template(cfg: JobConfig, overlay: Overlay, image: str, *, head: bool, resources: dict,
-                       config_map: str, shm_gib: int, extra: dict) -> dict:
+                       config_map: Optional[str], shm_gib: int, extra: dict, name: Optional[str] = None,
+                       ports: tuple[tuple[str, int], ...] = (), env: tuple[tuple[str, str], ...] = ()) -> dict:
+    """A Ray pod: `name` labels it (default: the run's kube name); `config_map`, when given, is the
+    job config mounted at CONFIG_MOUNT; `ports` are named container ports beyond the head's own."""
     container = {
         "name": "ray-head" if head else "ray-worker",
         "image": image,
         "imagePullPolicy": "IfNotPresent",
-        "env": build_env(cfg, overlay),
+        "env": build_env(cfg, overlay) + [{"name": k, "value": v} for k, v in env],
         "resources": resources,
         "securityContext": build_security_context(),
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"},
                          {"name": "tmp", "mountPath": TMP_MOUNT},
-                         {"name": "cache", "mountPath": CACHE_MOUNT},
-                         {"name": "job-config", "mountPath": CONFIG_MOUNT, "readOnly": True}],
+                         {"name": "cache", "mountPath": CACHE_MOUNT}],
     }
-    if head:
-        container["ports"] = [{"name": "gcs", "containerPort": 6379}, {"name": "dashboard", "containerPort": 8265},
-                              {"name": "client", "containerPort": 10001}]
+    if config_map is not None:
+        container["volumeMounts"].append({"name": "job-config", "mountPath": CONFIG_MOUNT, "readOnly": True})
+    named_ports = ([("gcs", 6379), ("dashboard", 8265), ("client", 10001)] if head else []) + list(ports)
+    if named_ports:
+        container["ports"] = [{"name": n, "containerPort": port} for n, port in named_ports]
     volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{shm_gib}Gi"}},
                {"name": "tmp", "emptyDir": {}},
-               {"name": "cache", "emptyDir": {}},
-               {"name": "job-config", "configMap": {"name": config_map}}]
+               {"name": "cache", "emptyDir": {}}]
+    if config_map is not None:
+        volumes.append({"name": "job-config", "configMap": {"name": config_map}})
     if head:
         volumes.append(build_api_token_volume())
     spec = {
@@ -314,16 +319,24 @@ def build_pod_template(cfg: JobConfig, overlay: Overlay, image: str, *, head: bo
         **extra,
     }
     annotations = {SAFE_TO_EVICT: "false", "karpenter.sh/do-not-disrupt": "true"} if head else {}
-    meta = {"labels": build_labels(build_kube_name(cfg))}
+    meta = {"labels": build_labels(name or build_kube_name(cfg))}
     if annotations:
         meta["annotations"] = annotations
     return {"metadata": meta, "spec": spec}
 
 
-def build_cluster_spec(cfg: JobConfig, overlay: Overlay, image: str, place: Placement) -> dict:
-    config_map = f"{build_kube_name(cfg)}-config"
+def build_cluster_spec(cfg: JobConfig, overlay: Overlay, image: str, place: Placement, *,
+                       name: Optional[str] = None, config_map: Optional[str] = "", fabric: bool = True,
+                       ports: tuple[tuple[str, int], ...] = (), env: tuple[tuple[str, str], ...] = ()) -> dict:
+    """The RayCluster spec: a head off spot (no work on it) and one autoscaled worker group sized by
+    `place`. `name` labels the pods (default: the run's kube name); `config_map` is the job config
+    to mount (default `<name>-config`; None: none); `fabric` lets a multi-node GPU group request its
+    fast fabric (training's collectives need it; serving replicas within a node do not)."""
+    name = name or build_kube_name(cfg)
+    config_map = f"{name}-config" if config_map == "" else config_map
+    pod = {"name": name, "ports": ports, "env": env}
     head = build_pod_template(cfg, overlay, image, head=True, resources=build_resources(4, 16, 0, HEAD_EPHEMERAL_GIB),
-                              config_map=config_map, shm_gib=4, extra={"affinity": build_head_affinity()})
+                              config_map=config_map, shm_gib=4, extra={"affinity": build_head_affinity()}, **pod)
     extra: dict[str, Any] = {"restartPolicy": "Never"}  # autoscaler v2 replaces failed worker pods itself
     tolerations = []
     if overlay.spot:
@@ -339,11 +352,11 @@ def build_cluster_spec(cfg: JobConfig, overlay: Overlay, image: str, place: Plac
     worker = build_pod_template(cfg, overlay, image, head=False,
                                 resources=build_resources(place.pod_cpus, place.pod_memory_gib, place.pod_gpus,
                                                           ephemeral),
-                                config_map=config_map, shm_gib=max(1, place.pod_memory_gib // 3), extra=extra)
+                                config_map=config_map, shm_gib=max(1, place.pod_memory_gib // 3), extra=extra, **pod)
     # The node type the pods are sized for, so the policy check knows its fabric on any overlay.
     worker["metadata"].setdefault("annotations", {})[NODE_TYPE_ANNOTATION] = place.node.name
-    if fabric := needs_fabric(place.node, place.max_replicas, place.pod_gpus):
-        apply_fabric(worker, fabric, place.node)
+    if fabric and (needed := needs_fabric(place.node, place.max_replicas, place.pod_gpus)):
+        apply_fabric(worker, needed, place.node)
     group = "gpu-workers" if place.pod_gpus else "cpu-workers"
     return {
         "rayVersion": RAY_VERSION,

@@ -17,7 +17,7 @@ from app.config import ConfigError
 
 # Vendored KubeRay v1.7.0 CRDs, shipped as package data (see crds/README.md).
 DEFAULT_CRD_DIR = Path(__file__).resolve().parent / "crds"
-CRD_FILES = ("ray.io_rayclusters.yaml", "ray.io_rayjobs.yaml")
+CRD_FILES = ("ray.io_rayclusters.yaml", "ray.io_rayjobs.yaml", "ray.io_rayservices.yaml")
 
 
 

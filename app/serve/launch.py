@@ -8,7 +8,8 @@ address, and the readiness wait then fails in one line saying so.
 
 Engines: `transformers` (app/serve/app.py: `generate` in each replica, on CPU) and `vllm`, Ray
 Serve LLM's OpenAI app over the LLMConfig that app/serve/llm_config.py's `build_llm_config`
-builds; `auto` takes vllm when it is installed and the cluster has GPUs.
+builds (model ids: the run's name, or `<name>-base:<checkpoint>` with --adapter); `auto` takes
+vllm when it is installed and the cluster has GPUs.
 """
 
 from __future__ import annotations
@@ -175,17 +176,19 @@ def pick_engine(engine: str, token: Optional[str]) -> str:
 
 
 def build_vllm_app(served: ServedModel, replicas: int):
-    """Ray Serve LLM's OpenAI app over the export. The LLMConfig comes from
-    `app.serve.llm_config.build_llm_config(served: ServedModel, num_replicas: int)`, which owns
-    how an export becomes a vLLM model source (the merged tree, or the base plus a LoRA adapter)."""
-    try:
-        from app.serve.llm_config import build_llm_config
-    except ImportError as err:
-        raise ServeError(f"--engine vllm: app.serve.llm_config.build_llm_config is not available ({err}); use "
-                         f"--engine transformers") from None
+    """Ray Serve LLM's OpenAI app over the export (app/serve/llm_config.py): the merged tree, or
+    the base with the run's adapters loaded on demand; the training chat template either way."""
     from ray.serve.llm import build_openai_app
 
-    return build_openai_app({"llm_configs": [build_llm_config(served, num_replicas=replicas)]})
+    from app.serve.llm_config import build_llm_config
+    from app.serve.source import read_chat_template, read_lora_rank
+    from app.storage import Store
+
+    store = Store(served.endpoint, served.region, interactive=True)
+    rank = read_lora_rank(store, served.adapter_uri) if served.kind == "adapter" else None
+    template = read_chat_template(store, served.tokenizer_uri)
+    config = build_llm_config(served, num_replicas=replicas, chat_template=template, lora_rank=rank)
+    return build_openai_app({"llm_configs": [config]})
 
 
 def deploy(application, served: ServedModel, host: str, port: int, app_name: str, engine: str,

@@ -40,6 +40,10 @@ class ServedModel:
     step: Optional[int]
     endpoint: Optional[str]
     region: str
+    # Serve LLM's dynamic LoRA layout (app/export.py): `<run>/adapters`, and this export's folder
+    # in it; None for a merged-only export, or one written before eft published adapters there.
+    adapters_uri: Optional[str] = None
+    adapter_id: Optional[str] = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -60,12 +64,7 @@ def resolve_served_model(target: str, overrides: Optional[list[str]] = None, mod
         from app.config import load_config
 
         cfg = load_config(target, overrides)  # ConfigError: one line, exit 2
-        store = Store.from_config(cfg.storage, interactive=True)
-        check_reachable(store, cfg.run_uri)
-        export_uri = find_latest_export(store, cfg.run_uri)
-        if export_uri is None:
-            raise ServeSourceError(f"{target}: no export of run {cfg.run_uri} under {join(cfg.run_uri, EXPORT_DIR)} "
-                                   f"(run `eft export {target}` first)")
+        return resolve_run_export(cfg, target, model_name=model_name, prefer_adapter=prefer_adapter)
     else:
         if overrides:
             raise ServeSourceError("--set: only with a job CONFIG (an export URI has no config to override)")
@@ -74,6 +73,60 @@ def resolve_served_model(target: str, overrides: Optional[list[str]] = None, mod
         check_reachable(store, export_uri)
     summary = read_export(store, export_uri)
     return served_from_export(store, export_uri, summary, model_name, prefer_adapter)
+
+
+def resolve_run_export(cfg, config_label: str, export_uri: Optional[str] = None, model_name: Optional[str] = None,
+                       prefer_adapter: bool = False, store: Optional[Store] = None) -> ServedModel:
+    """The ServedModel of a run's export: `export_uri`, else the run's latest complete export."""
+    store = store or Store.from_config(cfg.storage, interactive=True)
+    check_reachable(store, export_uri or cfg.run_uri)
+    if export_uri is None:
+        export_uri = find_latest_export(store, cfg.run_uri)
+        if export_uri is None:
+            raise ServeSourceError(f"{config_label}: no export of run {cfg.run_uri} under "
+                                   f"{join(cfg.run_uri, EXPORT_DIR)} (run `eft export {config_label}` first)")
+    export_uri = export_uri.rstrip("/")
+    return served_from_export(store, export_uri, read_export(store, export_uri), model_name, prefer_adapter)
+
+
+def read_chat_template(store: Store, tree_uri: str) -> Optional[str]:
+    """The chat template a tokenizer tree carries: `chat_template.jinja` (transformers 5 writes it
+    beside the tokenizer), else `tokenizer_config.json`'s `chat_template` (a string, or named
+    templates, whose `default` is the one apply_chat_template uses); None when it has none."""
+    jinja = join(tree_uri, "chat_template.jinja")
+    if store.exists(jinja):
+        return store.read_text(jinja)
+    config_uri = join(tree_uri, "tokenizer_config.json")
+    if not store.exists(config_uri):
+        return None
+    try:
+        template = store.read_json(config_uri).get("chat_template")
+    except (ValueError, AttributeError):
+        raise ServeSourceError(f"{config_uri}: unreadable (not a JSON object)") from None
+    if isinstance(template, list):
+        template = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}.get("default")
+    return template if isinstance(template, str) else None
+
+
+def read_weight_bytes(store: Store, model_uri: str) -> int:
+    """The bytes of a model tree's safetensors weights: what a replica holds in GPU memory."""
+    sizes = store.list_file_sizes(model_uri)
+    total = sum(size for name, size in sizes.items() if name.endswith(".safetensors"))
+    if not total:
+        raise ServeSourceError(f"{model_uri}: no safetensors weights")
+    return total
+
+
+def read_lora_rank(store: Store, adapter_uri: str) -> int:
+    """The LoRA rank `r` of an exported adapter (vLLM must be started with a --max-lora-rank that holds it)."""
+    config_uri = join(adapter_uri, "adapter_config.json")
+    try:
+        rank = store.read_json(config_uri).get("r")
+    except (ValueError, AttributeError):
+        rank = None
+    if not isinstance(rank, int) or rank < 1:
+        raise ServeSourceError(f"{config_uri}: no LoRA rank `r` in it")
+    return rank
 
 
 def check_reachable(store: Store, uri: str) -> None:
@@ -128,7 +181,9 @@ def served_from_export(store: Store, export_uri: str, summary: dict, model_name:
     run_name = Path(str(summary.get("run_uri") or export_uri).rstrip("/")).name
     return ServedModel(name=model_name or run_name, export_uri=export_uri, kind=kind, model_uri=model_uri,
                        adapter_uri=adapter_uri, tokenizer_uri=tokenizer_uri, step=summary.get("step"),
-                       endpoint=store.endpoint, region=store.region)
+                       endpoint=store.endpoint, region=store.region,
+                       adapters_uri=summary.get("adapters_uri") if adapter else None,
+                       adapter_id=summary.get("adapter_id") if adapter else None)
 
 
 def require(store: Store, uri: str, what: str) -> None:
