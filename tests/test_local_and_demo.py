@@ -299,9 +299,10 @@ def test_local_up_refuses_a_token_file_that_holds_no_token(tmp_path):
 def test_make_demo_runs_end_to_end_on_a_fresh_home(tmp_path, new_user_shell, base_cache):
     """What `make demo` runs (`.venv/bin/eft demo`), from a shell with nothing set up: the demo
     starts its own stack in ./.eft, seeds the pre-trained chat base, previews one conversation,
-    scores the base on the task's held-out prompts, fine-tunes, exports, scores the export, asks it
-    a question through its chat template, and stops the stack, printing no error-level line on the way. The base comes from this session's disk
-    cache (as on a second `make demo`): the stack above pre-trained it through the CLI."""
+    scores the base on the task's held-out prompts, fine-tunes, exports, scores the export, serves
+    it with `eft serve` and asks it a question through the `openai` client, and stops the stack,
+    printing no error-level line on the way. The base comes from this session's disk cache (as on a
+    second `make demo`): the stack above pre-trained it through the CLI."""
     home = tmp_path / "home"
     if any(base_cache.iterdir()):
         shutil.copytree(base_cache, tmp_path / ".eft" / "cache")
@@ -319,6 +320,9 @@ def test_make_demo_runs_end_to_end_on_a_fresh_home(tmp_path, new_user_shell, bas
     assert "<|im_start|>user\nWhat is the \"assert\" statement?<|im_end|>" in out
     assert "1 record(s): 1 used" in out
     assert re.search(r"^question: 'What is the \"assert\" statement\?'$", out, re.MULTILINE)
+    # Asked of the export as `eft serve` serves it (Ray Serve on loopback, the real openai client).
+    assert re.search(r"^served: +tiny-chat at http://127\.0\.0\.1:\d+/v1 \(eft serve: Ray Serve, OpenAI API\)$",
+                     out, re.MULTILINE), out[-3000:]
     answer = re.search(r"^answer: +(.+)$", out, re.MULTILINE).group(1)
     assert len(answer) > 10, answer
     first, final = map(float, re.search(r"^train loss (\S+) → (\S+) over 12 steps$", out, re.MULTILINE).groups())
