@@ -70,13 +70,7 @@ class ServeModel:
             sampling = self.sampling(body, ids, self.generator.max_tokens_limit)
         except oa.RequestError as err:
             return error_response(err)
-        rid = oa.new_id("chatcmpl")
-        if body.stream:
-            return StreamingResponse(self.chat_events(rid, ids, sampling, body.include_usage),
-                                     media_type="text/event-stream")
-        text, finish, prompt_n, completion_n = join_pieces(
-            [p async for p in aiter_pieces(self.generator, ids, sampling, incremental=False)])
-        return oa.chat_response(rid, self.served.name, text, finish, oa.usage(prompt_n, completion_n))
+        return await self.answer(oa.new_id("chatcmpl"), body, ids, sampling, self.chat_events, oa.chat_response)
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):
@@ -86,15 +80,18 @@ class ServeModel:
             sampling = self.sampling(body, ids, oa.COMPLETION_DEFAULT_MAX_TOKENS)
         except oa.RequestError as err:
             return error_response(err)
-        rid = oa.new_id("cmpl")
-        if body.stream:
-            return StreamingResponse(self.completion_events(rid, ids, sampling, body.include_usage),
-                                     media_type="text/event-stream")
-        text, finish, prompt_n, completion_n = join_pieces(
-            [p async for p in aiter_pieces(self.generator, ids, sampling, incremental=False)])
-        return oa.completion_response(rid, self.served.name, text, finish, oa.usage(prompt_n, completion_n))
+        return await self.answer(oa.new_id("cmpl"), body, ids, sampling, self.completion_events,
+                                 oa.completion_response)
 
     # -- helpers ---------------------------------------------------------------------------
+
+    async def answer(self, rid: str, body: oa.SamplingRequest, ids: list[int], sampling: Sampling, events, respond):
+        """Server-sent events from `events` on `stream: true`; else the whole answer, one body from `respond`."""
+        if body.stream:
+            return StreamingResponse(events(rid, ids, sampling, body.include_usage), media_type="text/event-stream")
+        text, finish, prompt_n, completion_n = join_pieces(
+            [p async for p in aiter_pieces(self.generator, ids, sampling, incremental=False)])
+        return respond(rid, self.served.name, text, finish, oa.usage(prompt_n, completion_n))
 
     async def read_request(self, request: Request, model: type[oa.SamplingRequest]) -> oa.SamplingRequest:
         """The token first, then the body; then the model the request names."""
