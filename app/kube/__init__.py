@@ -1,6 +1,7 @@
 """KubeRay manifests from a job config (`render`), a RayService serving the run's export
 (`service`), the checked-in kustomize tree (`kustomize`), strict validation against the vendored
-CRDs (`schema`) and the policy every manifest keeps (`policy`). The names below are the package's public surface."""
+CRDs (`schema`) and the policy every manifest keeps (`policy`). The names below are the package's
+public surface."""
 
 from app.kube.kustomize import BASE_CONFIG, BASE_IMAGE, KUSTOMIZE_OVERLAYS, build_kustomize_tree, write_kustomize_tree
 from app.kube.policy import (check_documents, check_path, check_policy, describe_worker_fabric, errors_of,

@@ -44,9 +44,9 @@ def base_model_id(name: str) -> str:
     return f"{name}-base"
 
 
-def served_model_ids(served: ServedModel, adapter: bool) -> list[str]:
+def served_model_ids(served: ServedModel) -> list[str]:
     """The ids clients put in requests: the merged model's, or the base's and this export's adapter."""
-    if not adapter:
+    if served.kind != "adapter":
         return [served.name]
     return [base_model_id(served.name), f"{base_model_id(served.name)}:{served.adapter_id}"]
 
@@ -73,13 +73,15 @@ def max_lora_rank(rank: int) -> int:
                          f"model instead (serve.adapter: false)")
 
 
-def check_adapter_export(served: ServedModel) -> None:
-    if served.kind != "adapter":
-        raise LLMConfigError(f"{served.export_uri}: serving adapters needs the base and adapter trees (the export "
-                             f"serves {served.kind})")
+def check_adapter_export(served: ServedModel, lora_rank: Optional[int]) -> int:
+    """What serving the export's adapter needs: it published in Serve LLM's layout, and its rank.
+    Returns the --max-lora-rank vLLM is to start with."""
     if not served.adapters_uri or not served.adapter_id:
         raise LLMConfigError(f"{served.export_uri}: this export did not publish its adapter for Serve LLM "
                              f"(<run>/adapters/<checkpoint>/); export it again with this eft")
+    if lora_rank is None:
+        raise LLMConfigError(f"{served.export_uri}: serving adapters needs the run's lora.r")
+    return max_lora_rank(lora_rank)
 
 
 def build_llm_config_dict(served: ServedModel, *, tensor_parallel_size: int = 1, chat_template: Optional[str] = None,
@@ -96,13 +98,10 @@ def build_llm_config_dict(served: ServedModel, *, tensor_parallel_size: int = 1,
         engine_kwargs["max_model_len"] = max_model_len
     if chat_template is not None:
         engine_kwargs["chat_template"] = chat_template
-    config: dict = {"model_loading_config": {"model_id": served_model_ids(served, adapter)[0],
+    config: dict = {"model_loading_config": {"model_id": served_model_ids(served)[0],
                                              "model_source": served.model_uri}}
     if adapter:
-        check_adapter_export(served)
-        if lora_rank is None:
-            raise LLMConfigError(f"{served.export_uri}: serving adapters needs the run's lora.r")
-        engine_kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank(lora_rank))
+        engine_kwargs.update(enable_lora=True, max_lora_rank=check_adapter_export(served, lora_rank))
         config["lora_config"] = {"dynamic_lora_loading_path": served.adapters_uri,
                                  "max_num_adapters_per_replica": max_adapters_per_replica}
     config["engine_kwargs"] = engine_kwargs
@@ -169,17 +168,19 @@ def check_serve_app_config(config: dict) -> None:
 TEMPLATE_FILE = "chat_template.jinja"
 
 
-def build_vllm_script(served: ServedModel, *, adapter: bool, chat_template: Optional[str],
+def build_vllm_script(served: ServedModel, *, chat_template: Optional[str],
                       tensor_parallel_size: int = 1, max_model_len: Optional[int] = None,
                       lora_rank: Optional[int] = None, port: int = SERVE_PORT) -> str:
     """A shell script that fetches the served trees and runs `vllm serve` on them, outside Ray:
     the same model ids, template and parallelism as the Serve LLM config. vLLM reads local
     directories, so the trees are copied down first (`aws s3 sync`; a local export is used in place)."""
+    adapter = served.kind == "adapter"
+    ids = served_model_ids(served)
     lines = ["#!/usr/bin/env bash",
              f"# Serve {served.name} ({served.export_uri}) with plain vLLM, outside Ray: the same model, name and",
              "# chat template as the RayService. Needs vLLM (pip install vllm) and, for s3:// trees, the AWS CLI.",
              "# Clients: an OpenAI base URL of http://HOST:PORT/v1 and a model of " +
-             " or ".join(served_model_ids(served, adapter)) + ".",
+             " or ".join(ids) + ".",
              "set -euo pipefail",
              'here="$(cd "$(dirname "$0")" && pwd)"',
              'trees="${EFT_VLLM_DIR:-$here/trees}"']
@@ -187,20 +188,16 @@ def build_vllm_script(served: ServedModel, *, adapter: bool, chat_template: Opti
         lines.append(f"export AWS_ENDPOINT_URL={shlex.quote(served.endpoint)}")
     model_dir = '"$trees/base"' if adapter else '"$trees/model"'
     lines += fetch_lines(served.model_uri, model_dir)
-    args = [f"vllm serve {model_dir}", f"--served-model-name {shlex.quote(served_model_ids(served, adapter)[0])}",
+    args = [f"vllm serve {model_dir}", f"--served-model-name {shlex.quote(ids[0])}",
             f"--port {port}", f"--tensor-parallel-size {tensor_parallel_size}"]
     if max_model_len is not None:
         args.append(f"--max-model-len {max_model_len}")
     if chat_template is not None:
         args.append(f'--chat-template "$here/{TEMPLATE_FILE}"')
     if adapter:
-        check_adapter_export(served)
-        if lora_rank is None:
-            raise LLMConfigError(f"{served.export_uri}: serving adapters needs the run's lora.r")
+        rank = check_adapter_export(served, lora_rank)
         lines += fetch_lines(served.adapter_uri, '"$trees/adapter"')
-        lora_name = shlex.quote(served_model_ids(served, adapter)[1])
-        args += ["--enable-lora", f'--lora-modules {lora_name}="$trees/adapter"',
-                 f"--max-lora-rank {max_lora_rank(lora_rank)}"]
+        args += ["--enable-lora", f'--lora-modules {shlex.quote(ids[1])}="$trees/adapter"', f"--max-lora-rank {rank}"]
     lines.append('exec ' + " \\\n    ".join(args) + ' "$@"')
     return "\n".join(lines) + "\n"
 

@@ -65,11 +65,11 @@ def render_serve(cfg: JobConfig, config_label: str, export_uri: Optional[str], o
     manifests, warnings = kube.render_service_checked(cfg, app, tp, overlay, image, node.name, crd_dir,
                                                       annotations={"eft/export-uri": served.export_uri})
     files = {"serve.yaml": yaml.safe_dump(app, sort_keys=False, width=120),
-             "vllm-serve.sh": build_vllm_script(served, adapter=adapter, chat_template=template,
+             "vllm-serve.sh": build_vllm_script(served, chat_template=template,
                                                 tensor_parallel_size=tp, max_model_len=s.max_model_len,
                                                 lora_rank=lora_rank)}
     if template is not None:
         files[TEMPLATE_FILE] = template
-    return ServeRender(manifests, files, warnings, served, served_model_ids(served, adapter), tp, node.name)
+    return ServeRender(manifests, files, warnings, served, served_model_ids(served), tp, node.name)
 
 
