@@ -69,7 +69,9 @@ def test_ray_data_stream_yields_each_ranks_rows_in_order(ray_cluster, tmp_path, 
     for rank in range(world):
         rank_slice = RankSlice(rank, world, g, origin=start)
         lo, hi = rank_slice.bounds
-        rows = iter_rank_rows(ORDER, uris, pafs.LocalFileSystem(), rank_slice, start=start)
+        openings: list[float] = []
+        rows = iter_rank_rows(ORDER, uris, pafs.LocalFileSystem(), rank_slice, start=start,
+                              on_epoch_start=openings.append)
         batches = iter_step_batches(rows, rank_slice.rows_per_step, micro, accum)
         for k in range(steps):
             step = next(batches)
@@ -81,6 +83,9 @@ def test_ray_data_stream_yields_each_ranks_rows_in_order(ray_cluster, tmp_path, 
             assert (inputs[real, 0] == ids[real]).all() and (labels[real, -1] == ids[real]).all()
             assert (labels[~real] == IGNORE_INDEX).all()  # padding carries no labels
             seen.extend(ids[real].tolist())
+        # One opening per epoch this rank read rows of (what the pre-emption watcher counts on).
+        epochs = {p // ORDER.num_rows for k in range(steps) for p in range(start + k * g + lo, start + k * g + hi)}
+        assert len(openings) == len(epochs) and all(0 < s < 120 for s in openings), openings
         # Stops this rank's pipeline now, so the ranks' Ray Data executors do not pile up.
         batches.close()
         rows.close()

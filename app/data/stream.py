@@ -19,8 +19,9 @@ epoch order, and a filter that drops other workers' rows before they leave the r
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 
@@ -156,16 +157,19 @@ def read_columns(position_ids: bool, ref_logps: bool = False) -> list[str]:
 
 def iter_rank_rows(order: DataOrder, shard_uris: list[str], filesystem, rank_slice: RankSlice,
                    start: int, prefetch_batches: int = 2, position_ids: bool = False, ref_logps: bool = False,
-                   ) -> Iterator[tuple]:
+                   on_epoch_start: Optional[Callable[[float], None]] = None) -> Iterator[tuple]:
     """Yield (row_id, input_ids, labels, position_ids or None) for this worker, from global position
     `start` on, forever. `position_ids`: read that column (the shards must have it). `ref_logps`:
-    read the precomputed reference log-probs too (one per document of the row), as a fifth item."""
+    read the precomputed reference log-probs too (one per document of the row), as a fifth item.
+    `on_epoch_start`: called with the seconds each epoch's pipeline took from its start to its
+    first row (the cost of an epoch opening, measured even where a step never waited for it)."""
     import ray
 
     configure_data_context()
     n = order.num_rows
     epoch = start // n
     while True:
+        opened = time.monotonic()
         offset = max(start - epoch * n, 0)
         expected = order.epoch_row_ids(epoch)
         positions = epoch * n + np.arange(n)
@@ -190,6 +194,8 @@ def iter_rank_rows(order: DataOrder, shard_uris: list[str], filesystem, rank_sli
                 row = (inputs[i], labels[i], None if positions is None else positions[i])
                 buffered[rid] = row + (np.asarray(batch["ref_logps"][i], dtype=np.float32),) if ref_logps else row
             while nxt < len(expected) and int(expected[nxt]) in buffered:
+                if nxt == 0 and on_epoch_start is not None:
+                    on_epoch_start(time.monotonic() - opened)
                 rid = int(expected[nxt])
                 yield (rid, *buffered.pop(rid))
                 nxt += 1

@@ -16,7 +16,9 @@ An epoch's first rows come from a new Ray Data pipeline, started on the prefetch
 steps ahead; its start-up takes CPU and the GIL from the steps it overlaps (one took 10 s against
 0.3 s steps on a 2-core box, and the late save then missed its deadline). So when the next step
 overlaps an epoch opening it is counted as long as the slowest opening seen in this group: the
-group's first data wait (its pipeline's cold start) or a step that overlapped a later opening.
+group's first data wait (its pipeline's cold start), a step that overlapped a later opening, or
+an opening's own time from its pipeline's start to its first row (the group's first opening may
+be hidden behind the model's set-up, so that no step waited for it).
 
 Every rank calls `after_step` every step with the same arguments (Ray's call is itself a
 barrier that hands every rank rank 0's notice), so all of them save and drain together.

@@ -175,6 +175,8 @@ class DataParts:
     start_rows: int
     batches: Iterator
     isolate: bool  # attention stays inside each packed document
+    # Seconds from each epoch pipeline's start to its first row, appended by the prefetch thread.
+    epoch_openings_s: list = field(default_factory=list)
     val: dict = field(default_factory=lambda: {"row_id": []})
 
 
@@ -302,13 +304,14 @@ def setup_data(cfg: JobConfig, store: Store, rank: int, world: int) -> DataParts
     checkpoint = ckpt.select_resume_checkpoint(ray.train.get_checkpoint(), store, cfg.run_uri, rank)
     start_rows = int(ckpt.peek_train_state(checkpoint).get("rows_consumed", 0))
     my_slice = RankSlice(rank, world, t.global_batch_size, origin=start_rows)
+    openings: list[float] = []
     rows = iter_rank_rows(order, train_shards, data_fs, my_slice, start=start_rows, position_ids=isolate,
-                          ref_logps=reference)
+                          ref_logps=reference, on_epoch_start=openings.append)
     batches = prefetch_in_background(iter_step_batches(rows, my_slice.rows_per_step, t.micro_batch_size,
                                                        plan.accum), depth=PREFETCH_STEPS)
     return DataParts(manifest=manifest, plan=plan, lineage=build_lineage(cfg, manifest), train_rows=order.num_rows,
                      steps_total=total_steps(cfg, order.num_rows), checkpoint=checkpoint, start_rows=start_rows,
-                     batches=batches, isolate=isolate)
+                     batches=batches, isolate=isolate, epoch_openings_s=openings)
 
 
 def load_validation_rows(cfg: JobConfig, store: Store, manifest: dict, isolate: bool) -> dict:
@@ -476,6 +479,11 @@ def maybe_checkpoint(w: Worker) -> None:
     if watch.preemption is not None:
         if step == rec.timer.start_step + 1:  # the group's pipeline started cold
             watch.preemption.record_epoch_start(rec.timer.last_s.get("data", 0.0))
+        # An opening's own length, too: the first one may have been hidden behind the model's
+        # set-up (no step waited for it), yet the next one lands between steps and slows them
+        # and any save beside it (a late save next to one took 6.5 s against 0.5 s and missed
+        # its deadline on a 2-core box).
+        watch.preemption.record_epoch_start(max(w.data.epoch_openings_s, default=0.0))
         # A step overlaps an epoch's pipeline start when its rows or those the prefetch thread may
         # be building meanwhile include the epoch's first row.
         gbs, n = cfg.training.global_batch_size, w.data.train_rows
