@@ -17,6 +17,7 @@ import logging
 import os
 import secrets
 import shutil
+import socket
 import tempfile
 import warnings
 from pathlib import Path
@@ -46,10 +47,31 @@ def default_num_cpus() -> int:
 STARTUP_CONCURRENCY_ENV = "RAY_worker_maximum_startup_concurrency"
 
 
-def startup_env(num_cpus: int) -> dict[str, str]:
-    """The environment a one-machine Ray head starts with: its worker pool sized to its logical
-    CPUs, as it would be on a machine with that many cores (an explicit setting wins)."""
-    return {STARTUP_CONCURRENCY_ENV: os.environ.get(STARTUP_CONCURRENCY_ENV) or str(num_cpus)}
+# Ray's own variable for where a cluster's state API (its dashboard) answers. Ray Train's
+# placement-group cleaner asks the state API whether the run's controller still lives; given no
+# address, it looks for the one Ray on this machine, and where there are two (a notebook's beside
+# `eft local up`'s, a test session's beside a scenario's) its monitor thread dies on "Found
+# multiple active Ray instances": a lost controller's placement group is then never removed.
+API_SERVER_ENV = "RAY_API_SERVER_ADDRESS"
+
+
+def startup_env(num_cpus: int, dashboard_port: int | None = None) -> dict[str, str]:
+    """The environment a one-machine Ray head starts with (its processes inherit it): its worker
+    pool sized to its logical CPUs, as it would be on a machine with that many cores (an explicit
+    setting wins), and, given the dashboard's port, its own state API's address."""
+    env = {STARTUP_CONCURRENCY_ENV: os.environ.get(STARTUP_CONCURRENCY_ENV) or str(num_cpus)}
+    return {**env, **state_api_env(dashboard_port)} if dashboard_port is not None else env
+
+
+def state_api_env(dashboard_port: int) -> dict[str, str]:
+    """Where the processes of a Ray whose dashboard listens on `dashboard_port` find its state API."""
+    return {API_SERVER_ENV: f"http://127.0.0.1:{dashboard_port}"}
+
+
+def find_free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def write_token(path: Path) -> Path:
@@ -113,10 +135,11 @@ def init_ray(num_cpus: int | None = None, **kwargs) -> None:
         return
     require_token_auth()
     num_cpus = num_cpus or default_num_cpus()
-    os.environ.update(startup_env(num_cpus))  # the raylet this starts inherits it
+    dashboard_port = find_free_port()
+    os.environ.update(startup_env(num_cpus, dashboard_port))  # the raylet this starts inherits it
     # The dashboard serves the state API that Ray Train's placement-group cleaner polls.
     # address="local": never join some other cluster that happens to run on this machine.
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, **kwargs)
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_port=dashboard_port, **kwargs)
 
 
 # How many times a pool may lose an actor (a node reclaimed, a process killed) before the pass fails.

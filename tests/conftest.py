@@ -35,6 +35,12 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 TIER_OF_FIXTURE = {"ray_cluster": "cluster", "new_user_shell": "e2e", "rank_processes": "e2e", "run_scenario": "e2e"}
 
 
+def pytest_configure(config):
+    import box_cpu
+
+    box_cpu.register(config)  # the machine's busy CPU-seconds per test, in the slow tiers' summary
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         for tier in sorted({TIER_OF_FIXTURE[f] for f in getattr(item, "fixturenames", ()) if f in TIER_OF_FIXTURE}):
@@ -118,11 +124,15 @@ def ray_cluster(s3):
     Ray Data has slots beside the training workers."""
     import ray
 
-    from app.cluster import require_token_auth
+    from app.cluster import find_free_port, require_token_auth, state_api_env
     from app.compat import ray_session_dir
 
     require_token_auth()  # a private token: nothing read from or written to ~/.ray
-    ray.init(address="local", num_cpus=8, include_dashboard=True, log_to_driver=True,
+    # Its own state API's address for every process of it (app/cluster.py: a scenario's cluster
+    # runs beside this one).
+    dashboard_port = find_free_port()
+    os.environ.update(state_api_env(dashboard_port))
+    ray.init(address="local", num_cpus=8, include_dashboard=True, dashboard_port=dashboard_port, log_to_driver=True,
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     # Where `make test` looks for the reason if this driver is killed (tests/report_crash.py).
     session = Path(ray_session_dir())

@@ -22,7 +22,8 @@ from typing import Iterator, Optional
 
 import psutil
 
-from app.cluster import AUTH_MODE_ENV, TOKEN_ENV, TOKEN_PATH_ENV, default_num_cpus, startup_env, write_token
+from app.cluster import (AUTH_MODE_ENV, TOKEN_ENV, TOKEN_PATH_ENV, default_num_cpus, find_free_port, startup_env,
+                         write_token)
 
 # The emulator accepts any key pair; these are not secrets, and real runs never see them.
 LOCAL_S3_ENV = {
@@ -33,12 +34,6 @@ LOCAL_S3_ENV = {
 DEFAULT_BUCKET = "eft"
 
 log = logging.getLogger("eft.local")
-
-
-def find_free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for_port(port: int, timeout_s: float = 30.0, proc: Optional[subprocess.Popen] = None) -> None:
@@ -230,7 +225,7 @@ def up(state_dir: Path, num_cpus: Optional[int] = None, s3_port: Optional[int] =
     # ~/.ray holds); a token from the caller's environment must not override the stack's.
     env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
     env.update({**LOCAL_S3_ENV, "AWS_ENDPOINT_URL": s3.endpoint, "RAY_USAGE_STATS_ENABLED": "0",
-                AUTH_MODE_ENV: "token", TOKEN_PATH_ENV: str(token_path), **startup_env(num_cpus)})
+                AUTH_MODE_ENV: "token", TOKEN_PATH_ENV: str(token_path), **startup_env(num_cpus, dashboard_port)})
     ray_bin = Path(sys.executable).with_name("ray")
     log = open(state_dir / "ray.log", "ab")
     ray_proc = subprocess.Popen(

@@ -1,0 +1,67 @@
+"""Where the box's CPU goes: a pytest plugin that, in a run of one test at a time (the slow
+tiers), charges each test with the whole machine's busy CPU-seconds from its setup to its
+teardown, and says at the end which tests used most and how busy the cores were.
+
+The suite's budget is CPU, not wall time: its Ray clusters, training ranks, Ray Data tasks and
+S3 stand-in all share the machine's cores, so a test's wall time alone does not say whether
+running two at a time could help (docs/tests.md). The machine-wide count (Linux's /proc/stat) is
+what the test's processes and the ones it started used, plus whatever else ran; it is reported,
+never asserted on.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+STAT = Path("/proc/stat")
+TOP = 15
+
+
+def read_busy_s() -> float | None:
+    """Busy CPU-seconds of the whole machine since boot (every state but idle and iowait)."""
+    try:
+        fields = STAT.read_text().split("\n", 1)[0].split()[1:]
+    except OSError:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+class BoxCpu:
+    def __init__(self):
+        self.items: dict[str, tuple[float, float]] = {}  # nodeid → (busy CPU-s, wall s)
+        self.started = (read_busy_s(), time.monotonic())
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(self, item, nextitem):
+        busy, wall = read_busy_s(), time.monotonic()
+        yield
+        if busy is not None:
+            self.items[item.nodeid] = (read_busy_s() - busy, time.monotonic() - wall)
+
+    def pytest_terminal_summary(self, terminalreporter):
+        busy0, wall0 = self.started
+        if busy0 is None or not self.items:
+            return
+        busy, wall, cores = read_busy_s() - busy0, time.monotonic() - wall0, os.cpu_count() or 1
+        write = terminalreporter.write_line
+        terminalreporter.section("box CPU by test (whole machine, setup to teardown)")
+        for nodeid, (cpu_s, wall_s) in sorted(self.items.items(), key=lambda kv: -kv[1][0])[:TOP]:
+            # The kernel counts in ticks (10 ms): a share of a test under a second says nothing.
+            share = f"{cpu_s / wall_s / cores:4.0%}" if wall_s >= 1.0 else "    "
+            write(f"{cpu_s:8.1f} CPU-s {wall_s:7.1f} s  {share}  {nodeid}")
+        write(f"all: {busy:.0f} busy CPU-s in {wall:.0f} s on {cores} cores: {busy / wall / cores:.0%} busy; "
+              f"{busy / cores:.0f} s is the least these tests could take on {cores} cores")
+
+
+def register(config) -> None:
+    """Called from tests/conftest.py's pytest_configure."""
+    # One test at a time only: with pytest-xdist's workers the machine-wide count of one test
+    # would include its neighbours'.
+    if getattr(config.option, "numprocesses", None) or hasattr(config, "workerinput"):
+        return
+    config.pluginmanager.register(BoxCpu(), "box_cpu")
