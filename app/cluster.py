@@ -144,6 +144,12 @@ def init_ray(num_cpus: int | None = None, **kwargs) -> None:
 
 # How many times a pool may lose an actor (a node reclaimed, a process killed) before the pass fails.
 ACTOR_LOSSES_RIDDEN = 3
+# How long a pool's actors may take to start, all of them, before the pass fails in one line. Ray
+# Data starts a fixed pool without waiting for it, and a pass whose first actor takes every block
+# ends while another is still loading its model: cancelling that actor's creation makes the GCS
+# log an error-level line at the end of a normal run ("Failed to kill actor ... Socket closed").
+# So the pool starts whole first. Long, since an autoscaling cluster may add a node for it.
+ACTOR_POOL_START_TIMEOUT_S = 1800
 
 
 def is_actor_loss(err: BaseException) -> bool:
@@ -162,10 +168,12 @@ def is_actor_loss(err: BaseException) -> bool:
 
 def map_on_actor_pool(blocks: list, udf: type, constructor_args: tuple, *, key: str, size: int,
                       batch_format: str = "pyarrow", num_cpus: float = 1, num_gpus: float = 0,
-                      what: str = "actor pool") -> Iterator:
+                      what: str = "actor pool", size_key: str = "its size") -> Iterator:
     """Each Arrow table of `blocks` through `udf` (a Ray Data callable class) on `size` actors, one
     block a call, yielding the output batches. `key` names a column each block and its output both
-    carry (every input value comes back in the output).
+    carry (every input value comes back in the output). The actors all start before the first
+    block goes out; a pool the cluster cannot hold within ACTOR_POOL_START_TIMEOUT_S is one
+    ClusterError naming `size_key`, the setting that sized it.
 
     The actors start with max_restarts=0, and a lost actor is ridden out here instead: the blocks
     whose keys have not all come back run again on a new pool (up to ACTOR_LOSSES_RIDDEN times).
@@ -174,6 +182,7 @@ def map_on_actor_pool(blocks: list, udf: type, constructor_args: tuple, *, key: 
     every pool start Ray's core worker logs an error-level line that a restart might fail
     (ray-project/ray#57733: the refs do stay alive, so it is noise a user should not see)."""
     import ray.data
+    import ray.exceptions
 
     seen: set = set()
     for losses in range(ACTOR_LOSSES_RIDDEN + 1):
@@ -188,12 +197,17 @@ def map_on_actor_pool(blocks: list, udf: type, constructor_args: tuple, *, key: 
                 udf, batch_format=batch_format, batch_size=None, max_restarts=0,
                 compute=ray.data.ActorPoolStrategy(size=min(size, len(todo))),
                 num_cpus=num_cpus, num_gpus=num_gpus, fn_constructor_args=constructor_args)
+        ds.context.wait_for_min_actors_s = ACTOR_POOL_START_TIMEOUT_S
         try:
             for batch in ds.iter_batches(batch_size=None, batch_format=batch_format):
                 keys = batch.column(key).to_pylist() if batch_format == "pyarrow" else list(batch[key])
                 seen.update(keys)
                 yield batch
             return
+        except ray.exceptions.GetTimeoutError as err:
+            raise ClusterError(f"{what}: its {min(size, len(todo))} actors did not all start within "
+                               f"{ACTOR_POOL_START_TIMEOUT_S} s; the cluster cannot hold them (each "
+                               f"{num_cpus} CPU, {num_gpus} GPU): lower {size_key}") from err
         except Exception as err:  # noqa: BLE001: only an actor's loss is ridden out
             if losses == ACTOR_LOSSES_RIDDEN or not is_actor_loss(err):
                 raise

@@ -307,6 +307,22 @@ def test_an_eval_actor_lost_midway_costs_only_the_batches_it_had_not_returned(st
     assert load_predictions(store, cfg.run_uri, "step-000012") == during
 
 
+def test_an_eval_pool_the_cluster_cannot_hold_fails_in_one_line_naming_its_key(straight_run, monkeypatch):
+    """The eval pool starts whole before its first batch (app/cluster.py): 2 actors of 5 CPUs on
+    the session's 8 cannot, and the wait ends in one line naming the setting to lower."""
+    import app.cluster
+    from app.cluster import ClusterError
+    from app.eval.run import run_eval
+
+    cfg, _, _ = straight_run
+    monkeypatch.setattr(app.cluster, "ACTOR_POOL_START_TIMEOUT_S", 5)
+    wide = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"num_actors": 2, "cpus_per_actor": 5.0})})
+    with pytest.raises(ClusterError) as refused:
+        run_eval(wide, Store(), checkpoint="12")
+    assert str(refused.value) == ("eval: its 2 actors did not all start within 5 s; the cluster cannot hold them "
+                                  "(each 5.0 CPU, 0 GPU): lower eval.num_actors")
+
+
 def test_lora_checkpoint_holds_adapters_not_the_base(straight_run):
     cfg, summary, _ = straight_run
     store = Store()

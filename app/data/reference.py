@@ -189,7 +189,7 @@ def run_reference_pass(cfg: JobConfig, store: Store, items: list[dict]) -> dict:
         (store.endpoint, store.region, cfg.model.uri, p.reference_micro_batch_size, cfg.training.loss_chunk_tokens,
          use_gpu),
         key="target", size=p.reference_num_actors, batch_format="numpy", num_gpus=1 if use_gpu else 0,
-        what="reference pass")
+        what="reference pass", size_key="preference.reference_num_actors")
     results: dict = {"target": [], "rows": [], "scored": []}
     for batch in batches:
         for key in results:

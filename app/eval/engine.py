@@ -151,7 +151,7 @@ def run_pipeline(store: Store, rows: list[dict], source: dict, settings: dict, n
     out: dict[int, dict] = {}
     for batch in map_on_actor_pool(blocks, ScoreEval, (store.endpoint, store.region, source, settings, use_gpu),
                                    key="index", size=num_actors, num_cpus=cpus_per_actor,
-                                   num_gpus=1 if use_gpu else 0, what="eval"):
+                                   num_gpus=1 if use_gpu else 0, what="eval", size_key="eval.num_actors"):
         for row in batch.to_pylist():
             out[row["index"]] = row
     return out
