@@ -68,10 +68,19 @@ def state_api_env(dashboard_port: int) -> dict[str, str]:
     return {API_SERVER_ENV: f"http://127.0.0.1:{dashboard_port}"}
 
 
-def find_free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+def find_free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def own_dashboard_port() -> int:
+    """A free port for the dashboard of a Ray this process is about to start, its state API's
+    address exported first: that Ray's processes inherit this environment, so they ask its state
+    API and no other Ray's on the machine."""
+    port = find_free_port()
+    os.environ.update(state_api_env(port))
+    return port
 
 
 def write_token(path: Path) -> Path:
@@ -135,8 +144,8 @@ def init_ray(num_cpus: int | None = None, **kwargs) -> None:
         return
     require_token_auth()
     num_cpus = num_cpus or default_num_cpus()
-    dashboard_port = find_free_port()
-    os.environ.update(startup_env(num_cpus, dashboard_port))  # the raylet this starts inherits it
+    os.environ.update(startup_env(num_cpus))  # the raylet this starts inherits it
+    dashboard_port = own_dashboard_port()
     # The dashboard serves the state API that Ray Train's placement-group cleaner polls.
     # address="local": never join some other cluster that happens to run on this machine.
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_port=dashboard_port, **kwargs)
@@ -198,6 +207,7 @@ def map_on_actor_pool(blocks: list, udf: type, constructor_args: tuple, *, key: 
                 compute=ray.data.ActorPoolStrategy(size=min(size, len(todo))),
                 num_cpus=num_cpus, num_gpus=num_gpus, fn_constructor_args=constructor_args)
         ds.context.wait_for_min_actors_s = ACTOR_POOL_START_TIMEOUT_S
+        pool = min(size, len(todo))
         try:
             for batch in ds.iter_batches(batch_size=None, batch_format=batch_format):
                 keys = batch.column(key).to_pylist() if batch_format == "pyarrow" else list(batch[key])
@@ -205,7 +215,9 @@ def map_on_actor_pool(blocks: list, udf: type, constructor_args: tuple, *, key: 
                 yield batch
             return
         except ray.exceptions.GetTimeoutError as err:
-            raise ClusterError(f"{what}: its {min(size, len(todo))} actors did not all start within "
+            if "while starting actors" not in str(err):  # Ray Data's wait for the pool, not another
+                raise
+            raise ClusterError(f"{what}: its {pool} actors did not all start within "
                                f"{ACTOR_POOL_START_TIMEOUT_S} s; the cluster cannot hold them (each "
                                f"{num_cpus} CPU, {num_gpus} GPU): lower {size_key}") from err
         except Exception as err:  # noqa: BLE001: only an actor's loss is ridden out

@@ -163,7 +163,8 @@ def main() -> int:
         S.start_ray()
         before = S.load_average()
         try:
-            from app.serve.launch import DEFAULT_HOST, find_free_port, start_serve
+            from app.cluster import find_free_port
+            from app.serve.launch import DEFAULT_HOST, start_serve
 
             handle, port = None, find_free_port(DEFAULT_HOST)  # Serve's proxy binds one port for good
             for concurrency, replicas in cases:

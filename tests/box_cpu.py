@@ -23,13 +23,14 @@ MIN_WALL_S = 60.0
 
 
 def read_busy_s() -> float | None:
-    """Busy CPU-seconds of the whole machine since boot (every state but idle and iowait)."""
+    """Busy CPU-seconds of the whole machine since boot: user, nice, system and interrupts (not
+    idle, iowait, or steal, the time the hypervisor gave to other guests)."""
     try:
         fields = STAT.read_text().split("\n", 1)[0].split()[1:]
     except OSError:
         return None
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in fields[:7])
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
 class BoxCpu:

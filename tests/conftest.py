@@ -124,14 +124,12 @@ def ray_cluster(s3):
     Ray Data has slots beside the training workers."""
     import ray
 
-    from app.cluster import find_free_port, require_token_auth, state_api_env
+    from app.cluster import own_dashboard_port, require_token_auth
     from app.compat import ray_session_dir
 
     require_token_auth()  # a private token: nothing read from or written to ~/.ray
-    # Its own state API's address for every process of it (app/cluster.py: a scenario's cluster
-    # runs beside this one).
-    dashboard_port = find_free_port()
-    os.environ.update(state_api_env(dashboard_port))
+    # Its processes ask its own state API: a scenario's cluster runs beside this one.
+    dashboard_port = own_dashboard_port()
     ray.init(address="local", num_cpus=8, include_dashboard=True, dashboard_port=dashboard_port, log_to_driver=True,
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     # Where `make test` looks for the reason if this driver is killed (tests/report_crash.py).

@@ -8,7 +8,6 @@ import json
 import re
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -21,6 +20,7 @@ import boto3
 import pytest
 from conftest import fresh_shell_env
 
+from app.cluster import find_free_port
 from app.storage import join
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,12 +29,6 @@ RAY = str(Path(sys.executable).with_name("ray"))
 SUBMIT_EXCLUDES = json.dumps({"excludes": [".venv", ".eft", ".git", "bench", "notebooks", "kuberay"]})
 # Ray's C++ log lines at error or fatal level: `[2026-12-02 08:59:46,266 E 18699 18699] core_worker.cc...`
 RAY_ERROR_LINE = re.compile(r"\[\d{4}-\d\d-\d\d [\d:,]+ [EF] \d+ \d+\]")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def eft(*args, env=None, timeout=240, cwd=ROOT):
@@ -173,7 +167,7 @@ def test_the_readmes_steps_through_the_console_script(user_stack):
     # openai client, then stopped with Ctrl-C, which deletes the application and exits 0.
     import openai
 
-    port = free_port()
+    port = find_free_port()
     with open(work / "serve.out", "w") as out, open(work / "serve.err", "w") as err:
         serving = subprocess.Popen([EFT, "serve", cfg_path, *sets, "--port", str(port)], stdout=out, stderr=err,
                                    cwd=ROOT, env=user)

@@ -80,12 +80,10 @@ def start_cluster(worker_nodes: int, cpus_per_node: int = 2, head_cpus: int = 3)
     import ray
     from ray.cluster_utils import Cluster
 
-    from app.cluster import find_free_port, require_token_auth, state_api_env
+    from app.cluster import own_dashboard_port, require_token_auth
 
     require_token_auth()  # every node inherits the token from this process's environment
-    dashboard_port = find_free_port()
-    # Every node's processes ask this cluster's state API, not whichever Ray on the machine is newest.
-    os.environ.update(state_api_env(dashboard_port))
+    dashboard_port = own_dashboard_port()  # and its state API's address
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": head_cpus, "include_dashboard": True, "dashboard_port": dashboard_port,
         "_system_config": FAST_HEALTH_CHECKS})

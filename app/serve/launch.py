@@ -19,13 +19,13 @@ import json
 import logging
 import os
 import signal
-import socket
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from typing import Optional
 
+from app.cluster import find_free_port
 from app.serve.auth import check_bind
 from app.serve.source import ServedModel, resolve_served_model
 
@@ -93,12 +93,6 @@ def check_engine_installed(engine: str) -> None:
     if engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ServeError("--engine vllm: vLLM is not installed (pip install 'eft[serve-gpu]'), or use "
                          "--engine transformers")
-
-
-def find_free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def start_serve(target: str, *, host: str = DEFAULT_HOST, port: Optional[int] = DEFAULT_PORT, replicas: int = 1,
