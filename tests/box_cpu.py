@@ -69,3 +69,41 @@ def register(config) -> None:
     if getattr(config.option, "numprocesses", None) or hasattr(config, "workerinput"):
         return
     config.pluginmanager.register(BoxCpu(), "box_cpu")
+
+
+# -- the whole `make test`: its busy CPU-seconds against the suite's budget ----------------------
+
+BUDGET_CPU_S = 2100  # docs/tests.md: `make test`, fast tier and slow tiers together, on the 2-core box
+
+
+def main(argv: list[str]) -> int:
+    """`python tests/box_cpu.py start FILE` before the tiers, `... end FILE` after them: the closing
+    lines of `make test` give the whole run's busy CPU-seconds, the floor for this box's cores,
+    and one line if the run went over the budget. It warns; it never fails the run."""
+    import json
+
+    action, path = argv[0], Path(argv[1])
+    busy = read_busy_s()
+    if busy is None:
+        return 0  # no /proc/stat: nothing to say
+    if action == "start":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"busy_s": busy, "wall_s": time.time()}))
+        return 0
+    try:
+        start = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return 0
+    cpu_s, wall_s, cores = busy - start["busy_s"], time.time() - start["wall_s"], os.cpu_count() or 1
+    print(f"make test: {cpu_s:.0f} busy CPU-s in {wall_s:.0f} s on {cores} cores ({cpu_s / wall_s / cores:.0%} busy); "
+          f"the floor for {cores} cores is {cpu_s / cores:.0f} s; the budget is {BUDGET_CPU_S:,} busy CPU-s")
+    if cpu_s > BUDGET_CPU_S:
+        print(f"make test: over budget: {cpu_s:,.0f} busy CPU-s > {BUDGET_CPU_S:,} (docs/tests.md says where the "
+              f"time goes)")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

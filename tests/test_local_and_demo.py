@@ -339,7 +339,7 @@ def test_make_demo_runs_end_to_end_on_a_fresh_home(tmp_path, new_user_shell, bas
                      r"\1/merged \(merged\)$", out, re.MULTILINE), out[-3000:]
     # The base writes words: its held-out loss is far below a uniform guess over the vocabulary.
     before, after, uniform = map(float, re.search(
-        r"^base: +pre-trained 300 steps in \d+ s \((?:trained|disk cache|bucket)\): held-out loss (\S+) → (\S+) "
+        r"^base: +pre-trained 300 steps in \d+ s \((?:shipped|trained|disk cache|bucket)\): held-out loss (\S+) → (\S+) "
         r"\(uniform (\S+)\)$", out, re.MULTILINE).groups())
     assert abs(before - uniform) < 0.1 and after < uniform - 2.0, out[-3000:]
     # One conversation previewed as training sees it: the ChatML rendering of the first record.

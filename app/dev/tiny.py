@@ -8,6 +8,7 @@ and a random-init Llama, both saved in Hugging Face format and loaded back throu
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from pathlib import Path
 from typing import Iterable, Optional
@@ -202,6 +203,9 @@ PRETRAIN = dict(hidden_size=128, num_layers=4, num_heads=4, intermediate_size=25
                 steps=300, batch_size=16, seq_len=128, lr=3e-3, seed=0, held_out_blocks=32)
 PRETRAIN_VERSION = 2  # bump when the recipe below changes: it is part of the cache key
 PRETRAIN_REPORT = "pretrain.json"
+# The default recipe's result, pre-trained once and shipped as package data (`make tiny-base` rebuilds
+# it), so that a fresh clone's demo, local stack and tests do not spend a minute of CPU on it.
+SHIPPED_BASE = Path(__file__).with_name("tiny_chat_base")
 
 
 def pack_blocks(tokenizer, texts: list[str], seq_len: int):
@@ -316,12 +320,11 @@ def build_pretrained_base(out_dir: Path, texts: list[str], recipe: Optional[dict
 def save_pretrained_base(store, uri: str, texts: Optional[list[str]] = None, cache_dir: Optional[Path] = None,
                          recipe: Optional[dict] = None, log=None) -> dict:
     """The pre-trained chat base at `uri`, built once: a model dir at `uri` whose pretrain.json has this
-    recipe's key is kept; else a copy in `cache_dir` (keyed by corpus + recipe) is uploaded; else it is
-    pre-trained (into the cache when there is one). config.json goes up last: a reader that finds it
-    finds a complete model dir. Returns the report with `source`: "bucket", "disk cache" or "trained"."""
-    import os
+    recipe's key is kept; else the shipped base (`SHIPPED_BASE`) is uploaded when its key is this one;
+    else a copy in `cache_dir` (keyed by corpus + recipe) is uploaded; else it is pre-trained (into the
+    cache when there is one). config.json goes up last: a reader that finds it finds a complete model
+    dir. Returns the report with `source`: "bucket", "shipped", "disk cache" or "trained"."""
     import shutil
-    import tempfile
 
     texts = texts or build_corpus()
     key = pretrain_key(texts, {**PRETRAIN, **(recipe or {})})
@@ -330,6 +333,11 @@ def save_pretrained_base(store, uri: str, texts: Optional[list[str]] = None, cac
         report = store.read_json(report_uri)
         if report.get("key") == key:
             return {**report, "source": "bucket"}
+    shipped = read_shipped_report()
+    # Keyed like the cache: another recipe, or a Python whose pydoc topics differ, gets its own base.
+    if shipped is not None and shipped.get("key") == key:
+        store.upload_dir(SHIPPED_BASE, uri, last=("config.json",))
+        return {**shipped, "source": "shipped"}
     cached = Path(cache_dir) / f"tiny-chat-base-{key}" if cache_dir else None
     if cached is not None and (cached / "config.json").exists():
         report = {**json.loads((cached / PRETRAIN_REPORT).read_text()), "source": "disk cache"}
@@ -345,3 +353,44 @@ def save_pretrained_base(store, uri: str, texts: Optional[list[str]] = None, cac
             os.rename(Path(tmp) / "model", cached)  # whole or not at all
     store.upload_dir(cached, uri, last=("config.json",))
     return report
+
+
+def read_shipped_report() -> Optional[dict]:
+    """The shipped base's pretrain.json, or None where the package carries no complete base."""
+    if not (SHIPPED_BASE / "config.json").is_file() or not (SHIPPED_BASE / PRETRAIN_REPORT).is_file():
+        return None
+    return json.loads((SHIPPED_BASE / PRETRAIN_REPORT).read_text())
+
+
+def rebuild_shipped_base(out_dir: Path = SHIPPED_BASE, log=print) -> dict:
+    """Pre-train the default recipe on this Python's pydoc topics into `out_dir` (`make tiny-base`).
+    Built in a temp dir beside it and renamed into place, so an interrupted rebuild leaves the old base
+    whole; the README beside the weights is carried over. Returns the pre-train's report."""
+    import shutil
+
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    tmp.chmod(0o755)  # mkdtemp's 0700 would follow the rename into the package
+    old = out_dir.with_name(tmp.name + "-old")
+    try:
+        report = build_pretrained_base(tmp, build_corpus(), log=log)
+        for path in tmp.iterdir():
+            path.chmod(0o644)  # the weights are written 0600 (through a temp file): shipped files are read by all
+        if (out_dir / "README.md").is_file():
+            shutil.copy2(out_dir / "README.md", tmp / "README.md")
+        if out_dir.exists():
+            os.rename(out_dir, old)  # a directory cannot be renamed over a non-empty one
+        os.rename(tmp, out_dir)  # the commit: from here on the new base is the shipped one
+    finally:
+        if old.exists() and not out_dir.exists():
+            os.rename(old, out_dir)  # the new one never got in: keep the old
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+    log(f"shipped base rebuilt in {out_dir}: key {report['key']}, held-out loss "
+        f"{report['held_out_loss_before']:.2f} -> {report['held_out_loss_after']:.2f} in {report['seconds']:.0f} s")
+    return report
+
+
+if __name__ == "__main__":  # `python -m app.dev.tiny`, i.e. `make tiny-base`
+    rebuild_shipped_base()

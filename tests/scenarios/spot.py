@@ -18,6 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from app.dev import chaos, local  # noqa: E402
 
 chaos.configure_fast_failure_detection()
+# Steps the uninterrupted reference runs past the step the last restart resumed into.
+REFERENCE_PAST_RESTART = 5
 
 
 def main(out_path: str, base_uri: str, data_uri: str, s3_endpoint: str) -> None:
@@ -95,12 +97,19 @@ def run_scenario(cluster: chaos.LocalCluster, out_path: str, base_uri: str, data
     log["summary"] = result.get("summary")
     log["recovery_s"] = {"preemption": run.recovery_after(log["removed_at"]),
                          "hard_kill": run.recovery_after(log["killed_at"])}
-    # The same run, uninterrupted on a fixed 3 workers: the reference trajectory.
+    # The same run, uninterrupted on a fixed 3 workers: the reference trajectory. It runs just past
+    # the last restart (the steps redone after the hard kill, then REFERENCE_PAST_RESTART new ones
+    # on 2 workers): after that the run is one group stepping on, which the steps before already
+    # compared. The schedule is constant, so a shorter run takes the same steps.
+    last = (log["summary"] or {}).get("interruptions", [{}])[-1]
+    reference_steps = min(cfg.training.max_steps, last.get("last_step_before", cfg.training.max_steps)
+                          + REFERENCE_PAST_RESTART)
     cluster.add_node()
     # It needs only its metrics: one checkpoint, at the end.
     reference = cfg.model_copy(update={"name": "spot-reference", "scaling": cfg.scaling.model_copy(
         update={"min_workers": 3, "max_workers": 3}), "checkpoint": cfg.checkpoint.model_copy(
-        update={"save_every_steps": cfg.training.max_steps})})
+        update={"save_every_steps": reference_steps}), "training": cfg.training.model_copy(
+        update={"max_steps": reference_steps})})
     log["reference_summary"] = run_training(reference, store)
     Path(out_path).write_text(json.dumps(log, indent=2, default=str))
 
