@@ -144,7 +144,9 @@ def ray_cluster(s3):
 @pytest.fixture(scope="session")
 def base_cache(tmp_path_factory) -> Path:
     """One disk cache of the demo's pre-trained chat base for the stacks this session starts with
-    `eft local up --cache-dir`: the first one pre-trains (about a minute), the others reuse it."""
+    `eft local up --cache-dir`. The base ships with eft (app/dev/tiny_chat_base/), so the cache stays
+    empty unless the shipped base's recipe fingerprint does not match this Python's corpus: then the
+    first stack pre-trains (about a minute) and the others reuse it."""
     return tmp_path_factory.mktemp("eft-cache")
 
 
@@ -182,3 +184,38 @@ def build_tiny_dataset(cfg, work_dir: Path, max_docs: int = 300) -> dict:
     store.write_bytes(cfg.prepare.input_uri, raw.read_bytes())
     prepare_dataset(cfg, store)
     return load_manifest(store, cfg.data.uri)
+
+
+@pytest.fixture(scope="session")
+def train_dataset(s3, ray_cluster, tmp_path_factory):
+    """The tiny base and the pydoc corpus prepared for the shared run (tests/train_runs.py)."""
+    from train_runs import make_cfg
+
+    return build_tiny_dataset(make_cfg("prep"), tmp_path_factory.mktemp("raw"))
+
+
+@pytest.fixture(scope="session")
+def train_mlflow_uri(tmp_path_factory):
+    return (tmp_path_factory.mktemp("mlflow") / "mlruns").as_uri()
+
+
+@pytest.fixture(scope="session")
+def straight_run(train_dataset, train_mlflow_uri):
+    """The reference run, trained once a session: 12 steps on 2 workers, uninterrupted (also logged
+    to a file-store MLflow). tests/test_train.py reads it and compares other runs with it;
+    tests/test_trust.py, which runs after it, plants pickles in a copy and resumes it. Returns
+    (config, summary, metrics)."""
+    from train_runs import straight_config
+
+    from app.observe.metrics import load_metrics
+    from app.storage import Store
+    from app.train.launch import run_training
+
+    cfg = straight_config()
+    # MLflow 3 keeps its file store behind an opt-in; the runs here are throwaway.
+    os.environ.update(MLFLOW_TRACKING_URI=train_mlflow_uri, MLFLOW_ALLOW_FILE_STORE="true")
+    try:
+        summary = run_training(cfg)
+    finally:
+        del os.environ["MLFLOW_TRACKING_URI"], os.environ["MLFLOW_ALLOW_FILE_STORE"]
+    return cfg, summary, load_metrics(Store(), cfg.run_uri)

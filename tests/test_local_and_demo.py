@@ -60,8 +60,8 @@ def user_stack(new_user_shell, base_cache, tmp_path_factory):
     """`eft local up` from a new user's shell (no AWS or Ray settings, an empty home), with a token
     file of the user's own (`--auth-token-path`; the demo below covers the token `up` writes),
     beside a bystander process of the same user. The tests below use it in file order: look at
-    it, be refused by it, submit jobs to it, and last take it down. Its first use in a session
-    pre-trains the chat base through the CLI (later stacks get it from `base_cache`)."""
+    it, be refused by it, submit jobs to it, and last take it down. It seeds the chat base that
+    ships with eft (app/dev/tiny_chat_base/): nothing is pre-trained."""
     work = tmp_path_factory.mktemp("user-stack")
     home, state_dir, given = work / "home", work / "state", work / "my_token"
     shell = new_user_shell(home)
@@ -327,8 +327,8 @@ def test_make_demo_runs_end_to_end_on_a_fresh_home(tmp_path, new_user_shell, bas
     starts its own stack in ./.eft, seeds the pre-trained chat base, previews one conversation,
     scores the base on the task's held-out prompts, fine-tunes, exports, scores the export, serves
     it with `eft serve` and asks it a question through the `openai` client, and stops the stack,
-    printing no error-level line on the way. The base comes from this session's disk cache (as on a
-    second `make demo`): the stack above pre-trained it through the CLI."""
+    printing no error-level line on the way. The base is the one that ships with eft, as on a fresh
+    clone (a disk cache is used only where the shipped base's recipe fingerprint does not match)."""
     home = tmp_path / "home"
     if any(base_cache.iterdir()):
         shutil.copytree(base_cache, tmp_path / ".eft" / "cache")
@@ -337,11 +337,13 @@ def test_make_demo_runs_end_to_end_on_a_fresh_home(tmp_path, new_user_shell, bas
     out = demo.stdout
     assert re.search(r"^exported: (s3://eft/runs/tiny-chat/export/checkpoint-00000012)/adapter \(adapter\), "
                      r"\1/merged \(merged\)$", out, re.MULTILINE), out[-3000:]
-    # The base writes words: its held-out loss is far below a uniform guess over the vocabulary.
-    before, after, uniform = map(float, re.search(
-        r"^base: +pre-trained 300 steps in \d+ s \((?:shipped|trained|disk cache|bucket)\): held-out loss (\S+) → (\S+) "
-        r"\(uniform (\S+)\)$", out, re.MULTILINE).groups())
-    assert abs(before - uniform) < 0.1 and after < uniform - 2.0, out[-3000:]
+    # The base writes words: its held-out loss is far below a uniform guess over the vocabulary. It
+    # is the one eft ships: a fresh clone pre-trains nothing.
+    source, before, after, uniform = re.search(
+        r"^base: +pre-trained 300 steps in \d+ s \((shipped|trained|disk cache|bucket)\): held-out loss (\S+) → (\S+) "
+        r"\(uniform (\S+)\)$", out, re.MULTILINE).groups()
+    before, after, uniform = float(before), float(after), float(uniform)
+    assert source == "shipped" and abs(before - uniform) < 0.1 and after < uniform - 2.0, out[-3000:]
     # One conversation previewed as training sees it: the ChatML rendering of the first record.
     assert "<|im_start|>user\nWhat is the \"assert\" statement?<|im_end|>" in out
     assert "1 record(s): 1 used" in out

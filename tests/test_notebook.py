@@ -1,5 +1,7 @@
 """notebooks/finetune.ipynb, executed top to bottom by a real Jupyter kernel against this
-session's S3 endpoint and Ray cluster, with small settings injected after its parameters cell."""
+session's S3 endpoint and Ray cluster, with small settings injected after its parameters cell: one
+run of the chat job (the notebook's rank sweep at one rank), watched live, compared, exported,
+sampled through its adapter, asked through its chat template and scored against the base."""
 
 from __future__ import annotations
 
@@ -17,11 +19,11 @@ from app.storage import Store, join
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "finetune.ipynb"
-CONFIG = ROOT / "jobs" / "configs" / "tiny-cpu.yaml"
-CHAT_CONFIG = ROOT / "jobs" / "configs" / "tiny-chat.yaml"
-STEPS = 6
-RANKS = [2, 4]
-CHAT_STEPS = 4
+CONFIG = ROOT / "jobs" / "configs" / "tiny-chat.yaml"
+STEPS = 4
+# One run: the rank sweep's cells (watch the first, train the others, compare, export the best)
+# all run on it; more ranks would add runs, not code paths.
+RANKS = [8]
 
 
 def tagged(nb, tag: str):
@@ -59,22 +61,19 @@ def test_committed_notebook_is_valid_and_has_no_outputs():
 
 @pytest.fixture(scope="module")
 def executed(s3, ray_cluster, base_cache):
-    """The notebook run once: two LoRA ranks of STEPS steps, the first watched live. The kernel
-    joins this session's cluster the way a user's kernel joins `eft local up`'s. The chat section
-    trains CHAT_STEPS steps on the pre-trained chat base, kept in this session's `base_cache`."""
+    """The notebook run once: one LoRA run of STEPS steps of the chat job, watched live. The kernel
+    joins this session's cluster the way a user's kernel joins `eft local up`'s."""
     from nbclient import NotebookClient
 
     prefix = f"nbtest-{uuid.uuid4().hex[:6]}"
     nb = nbformat.read(NOTEBOOK, as_version=4)
     # As papermill does: a cell right after the `parameters` cell overrides some of its defaults.
-    # SAVE_EVERY_STEPS puts a checkpoint mid-run, so the live view sees metrics.jsonl early.
     injected = nbformat.v4.new_code_cell("\n".join([
         f"CONFIG = {str(CONFIG)!r}",
         f"MAX_STEPS = {STEPS}",
-        "SAVE_EVERY_STEPS = 3",
+        f"SAVE_EVERY_STEPS = {STEPS}",
         f"LORA_RANKS = {RANKS!r}",
         f"RUN_PREFIX = {prefix!r}",
-        f"CHAT_STEPS = {CHAT_STEPS}",
         f"BASE_CACHE_DIR = {str(base_cache)!r}",
     ]), metadata={"tags": ["injected-parameters"]})
     nb.cells.insert(nb.cells.index(tagged(nb, "parameters")) + 1, injected)
@@ -86,11 +85,15 @@ def executed(s3, ray_cluster, base_cache):
     return nb, prefix
 
 
-def test_notebook_trains_both_ranks_and_watches_the_first_live(executed):
+def run_cfg(prefix: str, rank: int):
+    return load_config(CONFIG, [f"name={prefix}-r{rank}"])
+
+
+def test_notebook_trains_every_rank_and_watches_the_first_live(executed):
     nb, prefix = executed
     store = Store()
     for rank in RANKS:
-        cfg = load_config(CONFIG, [f"name={prefix}-r{rank}"])
+        cfg = run_cfg(prefix, rank)
         summary = store.read_json(join(cfg.run_uri, "summary.json"))
         assert summary["status"] == "succeeded" and summary["steps"] == STEPS, rank
         assert f"r: {rank}" in store.read_text(join(cfg.run_uri, "config.yaml"))
@@ -109,8 +112,7 @@ def test_notebook_compares_the_ranks_on_one_figure(executed):
 def test_notebook_exports_the_adapter_and_generates(executed):
     nb, prefix = executed
     store = Store()
-    exported = [rank for rank in RANKS
-                if store.exists(join(load_config(CONFIG, [f"name={prefix}-r{rank}"]).run_uri, "export"))]
+    exported = [rank for rank in RANKS if store.exists(join(run_cfg(prefix, rank).run_uri, "export"))]
     assert len(exported) == 1
     printed = re.search(r"^adapter: (\S+)$", "".join(stdout_of(c) for c in nb.cells if c.cell_type == "code"),
                         re.MULTILINE)
@@ -124,13 +126,16 @@ def test_notebook_exports_the_adapter_and_generates(executed):
 def test_notebook_previews_trains_exports_and_chats(executed):
     nb, prefix = executed
     store = Store()
-    summary = store.read_json(join(load_config(CHAT_CONFIG, [f"name={prefix}-chat"]).run_uri, "summary.json"))
-    assert summary["status"] == "succeeded" and summary["steps"] == CHAT_STEPS
+    (rank,) = RANKS
+    summary = store.read_json(join(run_cfg(prefix, rank).run_uri, "summary.json"))
+    assert summary["status"] == "succeeded" and summary["steps"] == STEPS
     # The preview is the ChatML rendering of one conversation, as prepare tokenizes it.
     assert "<|im_start|>user" in shown_text(tagged(nb, "chat-preview"))
     answer_cell = stdout_of(tagged(nb, "chat-answer"))
-    merged = re.search(r"^merged: (\S+)$", answer_cell, re.MULTILINE)
-    assert merged and f"{prefix}-chat/export/" in merged.group(1)
+    printed = "".join(stdout_of(c) for c in nb.cells if c.cell_type == "code")
+    merged = re.search(r"^merged: (\S+)$", printed, re.MULTILINE)
+    assert merged and f"{prefix}-r{rank}/export/" in merged.group(1)
+    assert store.exists(join(merged.group(1), "config.json"))
     prompt = re.search(r"^prompt: (.+)$", answer_cell, re.MULTILINE)
     question = re.search(r"^question: (.+)$", answer_cell, re.MULTILINE)
     answer = re.search(r"^answer: (.+)$", answer_cell, re.MULTILINE)
@@ -154,12 +159,12 @@ def test_notebook_scores_base_and_tuned_on_one_plot(executed):
     assert has_png(cell)
     out = stdout_of(cell)
     base = re.search(r"^base:  exact_match (\S+)% on 100 held-out prompts$", out, re.MULTILINE)
-    tuned = re.search(rf"^tuned: exact_match (\S+)% \(the export of step {CHAT_STEPS}\)$", out, re.MULTILINE)
+    tuned = re.search(rf"^tuned: exact_match (\S+)% \(the export of step {STEPS}\)$", out, re.MULTILINE)
     assert base and tuned, out
     assert float(base.group(1)) <= 10.0
     assert len(re.findall(r"^  'Is \d+ even or odd\?' \(answer '(?:even|odd)'\): base .+, tuned .+$", out,
                           re.MULTILINE)) == 3, out
-    run_uri = load_config(CHAT_CONFIG, [f"name={prefix}-chat"]).run_uri
-    labels = [r["label"] for r in load_results(Store(), run_uri)]
-    step = f"{CHAT_STEPS:06d}"
+    (rank,) = RANKS
+    labels = [r["label"] for r in load_results(Store(), run_cfg(prefix, rank).run_uri)]
+    step = f"{STEPS:06d}"
     assert labels == ["base", f"step-{step}", f"export-step-{step}"], labels

@@ -11,9 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import build_tiny_dataset
+from train_runs import BASE, DATA, make_cfg
 
-from app.config import build_config
 from app.data.stream import DataOrder
 from app.elastic.checkpoint import list_checkpoints
 from app.observe.metrics import load_metrics
@@ -21,71 +20,16 @@ from app.observe.records import load_events, load_heartbeats
 from app.storage import Store, join
 from app.train.launch import run_training
 
-BASE = "s3://eft/models/tiny-train"
-DATA = "s3://eft/data/train-tests"
-ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def make_cfg(name: str, **sections):
-    tree = {
-        "name": name,
-        "model": {"uri": BASE},
-        # Dropout on: every trajectory test below (resume, 3 → 2 → 1 workers, DDP = FSDP2) holds with
-        # it, as the masks are keyed on rows, not ranks (app/model/dropout.py).
-        "lora": {"r": 8, "alpha": 16, "dropout": 0.1, "target_modules": ALL_LINEAR},
-        "data": {"uri": DATA, "seq_len": 64, "validation_fraction": 0.05},
-        "prepare": {"input_uri": "s3://eft/raw/train-tests.jsonl"},
-        # A constant LR: a run extended from 6 to 12 steps must follow the 12-step run exactly.
-        "training": {"max_steps": 12, "global_batch_size": 8, "micro_batch_size": 2, "lr": 1e-2,
-                     "schedule": "constant", "eval_every_steps": 6, "trace_rows": True},
-        "checkpoint": {"save_every_steps": 6, "num_to_keep": 2},
-        "scaling": {"min_workers": 2, "max_workers": 2, "cpus_per_worker": 1},
-        "storage": {"root_uri": "s3://eft/runs-tests"},
-    }
-    for key, value in sections.items():
-        if value is None:
-            tree[key] = None
-        else:
-            tree[key] = {**(tree.get(key) or {}), **value}
-    return build_config(tree)
 
 
 @pytest.fixture(scope="module")
-def dataset(s3, ray_cluster, tmp_path_factory):
-    return build_tiny_dataset(make_cfg("prep"), tmp_path_factory.mktemp("raw"))
+def dataset(train_dataset):
+    return train_dataset
 
 
 @pytest.fixture(scope="module")
-def mlflow_uri(tmp_path_factory):
-    return (tmp_path_factory.mktemp("mlflow") / "mlruns").as_uri()
-
-
-@pytest.fixture(scope="module")
-def straight_run(dataset, mlflow_uri):
-    """The reference: 12 steps on 2 workers, uninterrupted (also logged to a file-store MLflow)."""
-    import os
-
-    cfg = make_cfg("straight", eval={"uri": write_eval_set(), "every_checkpoints": 1, "max_new_tokens": 8,
-                                     "batch_size": 4})
-    # MLflow 3 keeps its file store behind an opt-in; the runs here are throwaway.
-    os.environ.update(MLFLOW_TRACKING_URI=mlflow_uri, MLFLOW_ALLOW_FILE_STORE="true")
-    try:
-        summary = run_training(cfg)
-    finally:
-        del os.environ["MLFLOW_TRACKING_URI"], os.environ["MLFLOW_ALLOW_FILE_STORE"]
-    return cfg, summary, load_metrics(Store(), cfg.run_uri)
-
-
-EVAL_SET = "s3://eft/eval-sets/train-tests.jsonl"
-
-
-def write_eval_set() -> str:
-    """Twelve prompts cut from the corpus, each answered by how its text goes on."""
-    from app.dev.tiny import build_corpus
-
-    records = [{"prompt": t[:48], "answer": t[48:60]} for t in build_corpus(max_docs=12)]
-    Store().write_text(EVAL_SET, "".join(json.dumps(r) + "\n" for r in records))
-    return EVAL_SET
+def mlflow_uri(train_mlflow_uri):
+    return train_mlflow_uri
 
 
 def step_rows(metrics: list[dict]) -> dict[int, list[int]]:

@@ -1,7 +1,11 @@
 """The run's bucket as a trust boundary, and runs that cannot be swapped under you, on the real
 local stack (S3 endpoint, Ray, a tiny Llama): checkpoints carry a JSON sidecar that every
 read-only path judges them by (a planted pickle is never executed), a resume on another dataset
-or with another identity is refused before Ray starts, and the demo refuses a remote bucket."""
+or with another identity is refused before Ray starts, and the demo refuses a remote bucket.
+
+The run is the session's shared one (tests/conftest.py's `straight_run`, which tests/test_train.py
+asserts on first): a copy of it gets the planted pickles, and the last test here resumes it on
+other data."""
 
 from __future__ import annotations
 
@@ -12,10 +16,9 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 import pytest
-from conftest import build_tiny_dataset
+from train_runs import ALL_LINEAR, BASE, DATA, ROOT, make_cfg
 
 from app.cli import main
-from app.config import build_config
 from app.data.manifest import load_manifest
 from app.data.prepare import prepare_dataset
 from app.dev.demo import DemoBucketError, check_demo_bucket, is_loopback_endpoint
@@ -27,37 +30,15 @@ from app.observe.metrics import load_metrics
 from app.storage import Store, join
 from app.train.launch import run_training
 
-BASE = "s3://eft/models/tiny-trust"
-DATA = "s3://eft/data/trust"
 OTHER_DATA = "s3://eft/data/trust-other"
-ROOT = "s3://eft/runs-trust"
-
-
-def make_cfg(name: str, **sections):
-    tree = {
-        "name": name,
-        "model": {"uri": BASE},
-        "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
-        "data": {"uri": DATA, "seq_len": 64},
-        "prepare": {"input_uri": "s3://eft/raw/trust.jsonl"},
-        "training": {"max_steps": 2, "global_batch_size": 4, "micro_batch_size": 2, "lr": 1e-2},
-        "checkpoint": {"save_every_steps": 1, "num_to_keep": 2},
-        "scaling": {"min_workers": 2, "max_workers": 2, "cpus_per_worker": 1},
-        "storage": {"root_uri": ROOT},
-    }
-    for key, value in sections.items():
-        tree[key] = None if value is None else {**(tree.get(key) or {}), **value}
-    return build_config(tree)
 
 
 @pytest.fixture(scope="module")
-def trained(s3, ray_cluster, tmp_path_factory):
-    """2 steps on 2 workers, a checkpoint at each: the run every test here reads or resumes."""
-    cfg = make_cfg("trusted")
-    manifest = build_tiny_dataset(cfg, tmp_path_factory.mktemp("raw"), max_docs=120)
-    summary = run_training(cfg)
+def trained(straight_run, train_dataset):
+    """12 steps on 2 workers, checkpoints at 6 and 12: the run every test here reads or resumes."""
+    cfg, summary, _ = straight_run
     assert summary["status"] == "succeeded"
-    return cfg, manifest
+    return cfg, train_dataset
 
 
 class PlantedPickle:
@@ -75,7 +56,7 @@ def test_every_checkpoint_has_a_sidecar_listing_every_ranks_files(trained):
     cfg, manifest = trained
     store = Store()
     checkpoints = ckpt.list_checkpoints(store, cfg.run_uri)
-    assert [ckpt.step_of(c) for c in checkpoints] == [1, 2]
+    assert [ckpt.step_of(c) for c in checkpoints] == [6, 12]
     for uri in checkpoints:
         sidecar = ckpt.load_sidecar(store, uri)
         stored = store.list_file_sizes(uri)
@@ -114,7 +95,7 @@ def test_looking_at_a_run_never_unpickles_what_the_bucket_holds(trained, tmp_pat
     payload = pickle.dumps(PlantedPickle(marker))
     run = join(ROOT, "planted")
     copy_tree(store, cfg.run_uri, run)
-    latest = join(cfg.run_uri, ckpt.checkpoint_dir_name(2))
+    latest = join(cfg.run_uri, ckpt.checkpoint_dir_name(12))
 
     rewritten, no_sidecar, short = (join(run, ckpt.checkpoint_dir_name(s)) for s in (90, 91, 92))
     for uri in (rewritten, no_sidecar, short):
@@ -126,7 +107,7 @@ def test_looking_at_a_run_never_unpickles_what_the_bucket_holds(trained, tmp_pat
     shard = join(short, "__1_0.distcp")
     store.write_bytes(shard, store.read_bytes(shard)[:-16])
 
-    assert ckpt.list_checkpoints(store, run) == [join(run, ckpt.checkpoint_dir_name(s)) for s in (1, 2, 90)]
+    assert ckpt.list_checkpoints(store, run) == [join(run, ckpt.checkpoint_dir_name(s)) for s in (6, 12, 90)]
     assert ckpt.find_latest_checkpoint(store, run) == rewritten
     assert "no checkpoint.json" in ckpt.check_complete(store, no_sidecar)
     assert "__1_0.distcp is" in ckpt.check_complete(store, short)
@@ -152,20 +133,20 @@ def test_resume_with_another_identity_is_refused_naming_the_keys(trained):
     before = len(records.load_events(store, cfg.run_uri))
     stored_config = store.read_text(join(cfg.run_uri, "config.yaml"))
     with pytest.raises(ResumeError) as info:
-        run_training(make_cfg("trusted", lora={"r": 8}, training={"max_steps": 3}))
+        run_training(make_cfg("straight", lora={"r": 4}, training={"max_steps": 13}))
     message = str(info.value)
-    assert message.startswith(f"run {cfg.run_uri} cannot resume with this config: lora.r 4 → 8 (per ")
-    assert "checkpoint-00000002" in message and "\n" not in message
+    assert message.startswith(f"run {cfg.run_uri} cannot resume with this config: lora.r 8 → 4 (per ")
+    assert "checkpoint-00000012" in message and "\n" not in message
     # Refused before the driver wrote anything: no event, the stored config untouched.
     assert len(records.load_events(store, cfg.run_uri)) == before
     assert store.read_text(join(cfg.run_uri, "config.yaml")) == stored_config
 
     refusals = {
-        f"model.uri {BASE} → s3://eft/models/other": make_cfg("trusted", model={"uri": "s3://eft/models/other"}),
-        "lora r=4 → off": make_cfg("trusted", lora=None),
-        "lora.alpha 8.0 → 16.0, lora.target_modules ['q_proj', 'v_proj'] → ['o_proj', 'q_proj', 'v_proj']":
-            make_cfg("trusted", lora={"alpha": 16, "target_modules": ["q_proj", "v_proj", "o_proj"]}),
-        "training.seed 0 → 7": make_cfg("trusted", training={"seed": 7}),
+        f"model.uri {BASE} → s3://eft/models/other": make_cfg("straight", model={"uri": "s3://eft/models/other"}),
+        "lora r=8 → off": make_cfg("straight", lora=None),
+        f"lora.alpha 16.0 → 8.0, lora.target_modules {sorted(ALL_LINEAR)} → ['o_proj', 'q_proj', 'v_proj']":
+            make_cfg("straight", lora={"alpha": 8, "target_modules": ["q_proj", "v_proj", "o_proj"]}),
+        "training.seed 0 → 7": make_cfg("straight", training={"seed": 7}),
     }
     for change, other in refusals.items():
         with pytest.raises(ResumeError, match="cannot resume") as info:
@@ -174,16 +155,16 @@ def test_resume_with_another_identity_is_refused_naming_the_keys(trained):
     # Checkpoints without a sidecar (an older eft; Ray Train may still resume one it registered):
     # the run's stored config.yaml decides.
     legacy = make_cfg("legacy")
-    legacy_ckpt = join(legacy.run_uri, ckpt.checkpoint_dir_name(2))
+    legacy_ckpt = join(legacy.run_uri, ckpt.checkpoint_dir_name(12))
     copy_tree(store, join(cfg.run_uri, "config.yaml"), join(legacy.run_uri, "config.yaml"))
-    copy_tree(store, join(cfg.run_uri, ckpt.checkpoint_dir_name(2)), legacy_ckpt)
+    copy_tree(store, join(cfg.run_uri, ckpt.checkpoint_dir_name(12)), legacy_ckpt)
     store.delete_prefix(join(legacy_ckpt, ckpt.SIDECAR))
-    with pytest.raises(ResumeError, match=f"lora.r 4 → 8 \\(per {legacy.run_uri}/config.yaml\\)"):
-        check_resume(make_cfg("legacy", lora={"r": 8}), store)
+    with pytest.raises(ResumeError, match=f"lora.r 8 → 4 \\(per {legacy.run_uri}/config.yaml\\)"):
+        check_resume(make_cfg("legacy", lora={"r": 4}), store)
     check_resume(legacy, store)
     # Knobs that leave the checkpoint meaningful may change on a resume.
-    check_resume(make_cfg("trusted", lora={"target_modules": ["v_proj", "q_proj"], "dropout": 0.1},
-                          training={"max_steps": 50, "lr": 1e-3, "global_batch_size": 8, "parallelism": "ddp"},
+    check_resume(make_cfg("straight", lora={"target_modules": ALL_LINEAR[::-1], "dropout": 0.0},
+                          training={"max_steps": 50, "lr": 1e-3, "global_batch_size": 16, "parallelism": "ddp"},
                           checkpoint={"save_every_steps": 5}, scaling={"min_workers": 1, "max_workers": 1}), store)
 
 
@@ -194,9 +175,9 @@ def test_resume_on_another_dataset_is_refused_unless_overridden(trained, caplog)
     other = dataset_fingerprint(prepare_dataset(make_cfg("prep", data={"uri": OTHER_DATA}), store))
 
     with pytest.raises(ResumeError) as info:
-        run_training(make_cfg("trusted", data={"uri": OTHER_DATA}, training={"max_steps": 3}))
+        run_training(make_cfg("straight", data={"uri": OTHER_DATA}, training={"max_steps": 13}))
     assert str(info.value) == (
-        f"run {cfg.run_uri} was trained on dataset {old[:12]} at {DATA} (per {cfg.run_uri}/checkpoint-00000002), "
+        f"run {cfg.run_uri} was trained on dataset {old[:12]} at {DATA} (per {cfg.run_uri}/checkpoint-00000012), "
         f"but data.uri {OTHER_DATA} now holds dataset {other[:12]}; set checkpoint.resume_on_new_data: true to "
         f"continue on the new data, or use a new run name")
 
@@ -207,17 +188,17 @@ def test_resume_on_another_dataset_is_refused_unless_overridden(trained, caplog)
         check_resume(cfg, store)
     assert f"dataset {old[:12]} at {DATA}" in str(info.value) and "checkpoint.resume_on_new_data" in str(info.value)
 
-    # The override: a warning, training goes on from step 2, and the new data is recorded.
-    moved = make_cfg("trusted", data={"uri": OTHER_DATA}, training={"max_steps": 3},
+    # The override: a warning, training goes on from step 12, and the new data is recorded.
+    moved = make_cfg("straight", data={"uri": OTHER_DATA}, training={"max_steps": 13},
                      checkpoint={"resume_on_new_data": True})
     with caplog.at_level(logging.WARNING, logger="eft.resume"):
         summary = run_training(moved)
-    assert summary["status"] == "succeeded" and summary["steps"] == 3
+    assert summary["status"] == "succeeded" and summary["steps"] == 13
     assert any("continuing on the new data" in r.getMessage() and OTHER_DATA in r.getMessage()
                for r in caplog.records)
-    assert [m["step"] for m in load_metrics(store, cfg.run_uri)] == [1, 2, 3]
+    assert [m["step"] for m in load_metrics(store, cfg.run_uri)] == list(range(1, 14))
     latest = ckpt.find_latest_checkpoint(store, cfg.run_uri)
-    assert ckpt.step_of(latest) == 3
+    assert ckpt.step_of(latest) == 13
     recorded = {"uri": OTHER_DATA, "fingerprint": dataset_fingerprint(load_manifest(store, OTHER_DATA))}
     assert ckpt.load_sidecar(store, latest)["dataset"] == recorded
     assert ckpt.load_train_state(store, latest)["dataset"] == recorded
