@@ -318,13 +318,15 @@ def cmd_report(args) -> int:
     return 0
 
 
+# argparse types: argparse turns their ArgumentTypeError into "argument --FLAG: <message>", so
+# the message says what the flag takes, whatever the flag counts (records, seconds, tokens).
 def positive_float(value: str) -> float:
     try:
         number = float(value)
     except ValueError:
         number = 0.0
     if not number > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {value!r}")
+        raise argparse.ArgumentTypeError(f"expected a number above 0, got {value!r}")
     return number
 
 
@@ -334,7 +336,17 @@ def positive_int(value: str) -> int:
     except ValueError:
         number = 0
     if number < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive number of records, got {value!r}")
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {value!r}")
+    return number
+
+
+def parse_port(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if not 1 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port, 1 to 65535, got {value!r}")
     return number
 
 
@@ -404,7 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1; any other needs a token)")
-    p.add_argument("--port", type=positive_int, default=8000, help="HTTP port (default 8000)")
+    p.add_argument("--port", type=parse_port, default=8000, help="HTTP port (default 8000)")
     p.add_argument("--replicas", type=positive_int, default=1, help="model replicas (default 1)")
     p.add_argument("--token-file", default=None, metavar="FILE",
                    help="the bearer token every request must carry (default: $EFT_SERVE_TOKEN, else none)")
@@ -414,7 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", default="auto", choices=["auto", "transformers", "vllm"],
                    help="transformers generate, or Ray Serve LLM (vLLM, GPU); auto: vllm when installed and the "
                         "cluster has GPUs")
-    p.add_argument("--cpus-per-replica", type=float, default=1.0, metavar="N",
+    p.add_argument("--cpus-per-replica", type=positive_float, default=1.0, metavar="N",
                    help="Ray CPUs per replica (transformers engine; default 1)")
     p.add_argument("--max-tokens", type=positive_int, default=256, metavar="N",
                    help="the most tokens one request may generate (default 256; chat's default)")

@@ -379,3 +379,24 @@ def validate_llm_config(config: dict) -> None:
     from ray.llm._internal.serve.core.configs.llm_config import LLMConfig
 
     LLMConfig.model_validate(config)
+
+
+# -- Ray Serve -------------------------------------------------------------------------------
+
+
+@shim("ray", "ray.serve.context._get_global_client().get_serve_details() (the Serve controller's "
+      "get_serve_instance_details), read through the public ray.serve.schema.ServeInstanceDetails",
+      "the dashboard's Serve REST API, GET /api/serve/applications/ (ServeInstanceDetails.http_options), "
+      "which needs the dashboard's address and the cluster's Ray token, neither of which a driver on "
+      "RAY_ADDRESS is sure to have; serve.status() leaves the HTTP options out", "ray 2.60.0")
+def serve_http_address() -> Optional[tuple[str, int]]:
+    """The host and port Serve's HTTP proxies listen on, as the running Serve controller holds
+    them (serve.start keeps a running Serve's options, whatever it is asked); None without Serve."""
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeInstanceDetails
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    if client is None:
+        return None
+    options = ServeInstanceDetails(**client.get_serve_details()).http_options
+    return options.host, options.port

@@ -7,7 +7,8 @@ config or URI with no export, a short token.
 The export is the real format, written by `export_run` from a checkpoint written as training
 writes one (tests/test_export.py), of a tiny chat base with ChatML's template; no training run.
 One Serve application serves every cluster test of the module; it is deleted, and Serve shut
-down, at the module's end.
+down, at the module's end. The one test that needs a Serve of its own (one listening on every
+interface, as a RayService's does) runs before it, and shuts its Serve down.
 """
 
 from __future__ import annotations
@@ -91,6 +92,32 @@ def reference(exported):
         return answer([tokenizer.bos_token_id] + tokenizer(prompt, add_special_tokens=False)["input_ids"])
 
     return chat, complete
+
+
+def test_a_serve_already_listening_on_every_interface_gets_no_model_without_a_token(ray_cluster, exported,
+                                                                                     monkeypatch):
+    """Serve's proxy is the cluster's, and keeps the address it started with: a later `eft serve`
+    on the loopback default, without a token, must not deploy onto one that listens on 0.0.0.0
+    (the readiness probe to 127.0.0.1 would pass, and the model would answer anyone). Runs before
+    the module's `served` fixture starts its own Serve."""
+    from ray import serve
+
+    from app import compat
+    from app.cluster import find_free_port
+    from app.serve.auth import ServeAuthError
+    from app.serve.launch import start_serve
+
+    monkeypatch.delenv("EFT_SERVE_TOKEN", raising=False)
+    port = find_free_port("127.0.0.1")
+    serve.start(http_options={"host": "0.0.0.0", "port": port})  # as a RayService's Serve, or `--host 0.0.0.0`
+    try:
+        assert compat.serve_http_address() == ("0.0.0.0", port), "another Serve was already running"
+        with pytest.raises(ServeAuthError, match=rf"^Serve already runs on this Ray cluster at 0\.0\.0\.0:{port}, "
+                                                 r"beyond this machine, not 127\.0\.0\.1:"):
+            start_serve(exported[1]["export_uri"], port=port)
+        assert "eft" not in serve.status().applications  # refused before the model was deployed
+    finally:
+        serve.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -198,13 +225,75 @@ def test_the_token_is_required_and_the_right_one_works(served):
         wrong.chat.completions.create(model=served.model, messages=[{"role": "user", "content": "Hi"}])
     with pytest.raises(openai.AuthenticationError):
         wrong.models.list()
-    # No Authorization header at all; the body is not even read.
-    for path, data in (("/chat/completions", b"not json"), ("/models", None)):
-        request = urllib.request.Request(served.url + path, data=data, method="POST" if data else "GET")
+    # Every route of the app, through Serve's proxy, with no Authorization header at all; the
+    # body (not JSON) is not even read.
+    root = served.url.removesuffix("/v1")
+    routes = list_routes()
+    assert {("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions")} <= set(routes)
+    for method, path in routes:
+        request = urllib.request.Request(root + path, data=b"not json" if method == "POST" else None, method=method)
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(request, timeout=30)
-        assert info.value.code == 401
-        assert json.loads(info.value.read())["error"]["code"] == "invalid_api_key"
+        assert info.value.code == 401, (method, path)
+        assert json.loads(info.value.read())["error"]["code"] == "invalid_api_key", (method, path)
+
+
+def list_routes() -> list[tuple[str, str]]:
+    """(method, path) of every operation of the serving app, from FastAPI's own OpenAPI walk of
+    its routes (the app serves no OpenAPI page; the schema is built here, from the routes)."""
+    from fastapi.openapi.utils import get_openapi
+
+    from app.serve.app import api
+
+    schema = get_openapi(title=api.title, version=api.version, routes=api.routes)
+    return [(method.upper(), path) for path, operations in schema["paths"].items() for method in operations]
+
+
+def call_app(method: str, path: str, authorization: str | None = None) -> tuple[int, dict]:
+    """One request to the serving app as an ASGI call, in this process: (status, JSON body)."""
+    import asyncio
+
+    from app.serve.app import api
+
+    headers = [(b"authorization", authorization.encode())] if authorization is not None else []
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+             "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"", "headers": headers,
+             "server": ("127.0.0.1", 8000), "client": ("127.0.0.1", 40000)}
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"not json", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(api(scope, receive, send))
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return sent[0]["status"], json.loads(body)
+
+
+def test_the_token_is_one_dependency_of_the_whole_app():
+    """Every operation carries the bearer check, declared once on the app (so a route added later
+    has it too), and each refuses a request without the right token before its body is read. The
+    digest a replica holds is what the check compares with; outside a replica, FastAPI's
+    dependency override gives it."""
+    from app.serve.app import api, read_replica_token_digest
+    from app.serve.auth import token_digest
+    from fastapi.openapi.utils import get_openapi
+
+    routes = list_routes()
+    schema = get_openapi(title=api.title, version=api.version, routes=api.routes)
+    assert len(routes) >= 3
+    for method, path in routes:
+        assert schema["paths"][path][method.lower()].get("security") == [{"HTTPBearer": []}], (method, path)
+    api.dependency_overrides[read_replica_token_digest] = lambda: token_digest(TOKEN)
+    try:
+        for method, path in routes:
+            for authorization in (None, f"Bearer {TOKEN[:-1]}x", f"Basic {TOKEN}", "Bearer "):
+                status, body = call_app(method, path, authorization)
+                assert (status, body["error"]["code"]) == (401, "invalid_api_key"), (method, path, authorization)
+    finally:
+        api.dependency_overrides.clear()
 
 
 # -- refused before any work -------------------------------------------------------------------
@@ -233,6 +322,54 @@ def test_a_short_or_empty_token_is_refused(capsys, monkeypatch, tmp_path):
     (tmp_path / "token").write_text("\n")
     rc, err = run_cli(capsys, "s3://nowhere/export", "--token-file", str(tmp_path / "token"))
     assert rc == 2 and "the token is empty" in err
+
+
+@pytest.mark.parametrize("flag,value,expected", [
+    ("--port", "70000", "expected a TCP port, 1 to 65535, got '70000'"),
+    ("--port", "0", "expected a TCP port, 1 to 65535, got '0'"),
+    ("--replicas", "0", "expected a whole number of at least 1, got '0'"),
+    ("--max-tokens", "-5", "expected a whole number of at least 1, got '-5'"),
+    ("--cpus-per-replica", "0", "expected a number above 0, got '0'"),
+])
+def test_out_of_range_flags_are_refused_by_the_parser_naming_the_flag(capsys, flag, value, expected):
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "s3://nowhere/export", flag, value])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"eft serve: error: argument {flag}: {expected}"
+
+
+@pytest.mark.parametrize("host,port,actual,with_token,refused", [
+    ("127.0.0.1", 8000, ("0.0.0.0", 8000), False, "at 0.0.0.0:8000, beyond this machine, not 127.0.0.1:8000"),
+    ("127.0.0.1", 8000, ("10.1.2.3", 8000), False, "at 10.1.2.3:8000, beyond this machine"),
+    ("127.0.0.1", 8000, ("0.0.0.0", 8000), True, None),  # the token every request must carry is set
+    ("127.0.0.1", 8000, ("::1", 8000), False, None),  # loopback still
+    ("0.0.0.0", 8000, ("127.0.0.1", 8000), True, None),  # narrower than asked: served there, warned
+    ("127.0.0.1", 8000, ("127.0.0.1", 9000), True, "at 127.0.0.1:9000, not 127.0.0.1:8000 as asked"),
+    ("127.0.0.1", None, ("127.0.0.1", 9000), False, None),  # any port asked for
+    ("127.0.0.1", None, ("0.0.0.0", 9000), False, "at 0.0.0.0:9000, beyond this machine"),
+])
+def test_a_running_serves_address_is_held_to_the_bind_rule(host, port, actual, with_token, refused, caplog):
+    from app.serve.auth import ServeAuthError, check_proxy_address
+
+    token = TOKEN if with_token else None
+    if refused is None:
+        with caplog.at_level("WARNING", logger="eft.serve"):
+            check_proxy_address(host, port, actual, token)
+        assert (f"at {actual[0]}:{actual[1]}" in caplog.text) == (actual[0] != host)
+    else:
+        with pytest.raises(ServeAuthError) as info:
+            check_proxy_address(host, port, actual, token)
+        assert refused in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_token_over_plain_http_beyond_loopback_is_warned_of_once(caplog):
+    from app.serve.auth import warn_token_in_clear
+
+    with caplog.at_level("WARNING", logger="eft.serve"):
+        for host, token in (("127.0.0.1", TOKEN), ("::1", TOKEN), ("0.0.0.0", None), ("0.0.0.0", TOKEN)):
+            warn_token_in_clear(host, token)
+    [record] = caplog.records
+    assert "plain HTTP to 0.0.0.0" in record.getMessage() and TOKEN not in caplog.text
 
 
 def test_bad_inputs_fail_in_one_line_before_serve_starts(s3, exported, capsys, tmp_path):
@@ -408,3 +545,79 @@ def test_the_llm_config_of_an_adapter_export_written_before_adapters_were_publis
     served = replace(resolve_served_model(exported[1]["export_uri"], prefer_adapter=True), adapters_uri=None)
     with pytest.raises(LLMConfigError, match="did not publish its adapter for Serve LLM"):
         build_llm_config_dict(served, lora_rank=4)
+
+
+# -- vllm-serve.sh: who may call plain vLLM ----------------------------------------------------
+
+FAKE_VLLM = """#!/usr/bin/env bash
+# Stands in for vLLM: records what it was started with, and the key it would check.
+printf '%s\\n' "$@" > "$FAKE_VLLM_OUT/argv"
+printf '%s' "${VLLM_API_KEY-}" > "$FAKE_VLLM_OUT/key"
+"""
+
+
+@pytest.fixture
+def vllm_script(tmp_path):
+    """vllm-serve.sh for a merged export on local disk (linked in place, nothing fetched), and a
+    fake `vllm` first on PATH; runs the script, returning (exit status, stderr, argv or None, key)."""
+    import os
+    import subprocess
+
+    from app.serve.llm_config import build_vllm_script
+    from app.serve.source import ServedModel
+
+    (tmp_path / "export" / "merged").mkdir(parents=True)
+    merged = str(tmp_path / "export" / "merged")
+    served = ServedModel(name="serve-run", export_uri=str(tmp_path / "export"), kind="merged", model_uri=merged,
+                         adapter_uri=None, tokenizer_uri=merged, step=4, endpoint=None, region="us-east-1")
+    script = tmp_path / "vllm-serve.sh"
+    script.write_text(build_vllm_script(served, chat_template="{{ messages }}"))
+    script.chmod(0o755)
+    check_shell(script)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "vllm").write_text(FAKE_VLLM)
+    (tmp_path / "bin" / "vllm").chmod(0o755)
+
+    def run(*args: str, **env: str) -> tuple[int, str, list[str] | None, str]:
+        for name in ("argv", "key"):
+            (tmp_path / name).unlink(missing_ok=True)
+        environ = {k: v for k, v in os.environ.items() if not k.startswith(("EFT_VLLM_", "VLLM_"))}
+        environ.update(PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}", FAKE_VLLM_OUT=str(tmp_path), **env)
+        done = subprocess.run([str(script), *args], env=environ, capture_output=True, text=True, timeout=60)
+        ran = (tmp_path / "argv").exists()
+        return (done.returncode, done.stderr, (tmp_path / "argv").read_text().splitlines() if ran else None,
+                (tmp_path / "key").read_text() if ran else "")
+
+    run.trees = tmp_path / "trees"
+    return run
+
+
+def test_vllm_serve_sh_listens_on_loopback_by_default(vllm_script):
+    rc, err, argv, key = vllm_script()
+    assert rc == 0 and err == ""
+    assert argv[argv.index("--host") + 1] == "127.0.0.1" and key == ""
+
+
+def test_vllm_serve_sh_refuses_a_wider_bind_without_a_key_before_fetching(vllm_script, tmp_path):
+    rc, err, argv, _ = vllm_script(EFT_VLLM_HOST="0.0.0.0")
+    assert rc == 2 and argv is None and not vllm_script.trees.exists()
+    assert err == ("vllm-serve.sh: EFT_VLLM_HOST=0.0.0.0 listens beyond this machine: give the API key every request "
+                   "must carry (EFT_VLLM_API_KEY_FILE=FILE), or serve on 127.0.0.1\n")
+    # The host cannot come in past the check as vLLM's own flag either.
+    rc, err, argv, _ = vllm_script("--host=0.0.0.0")
+    assert rc == 2 and argv is None and err.startswith("vllm-serve.sh: --host=0.0.0.0: set EFT_VLLM_HOST")
+    short = tmp_path / "short-key"
+    short.write_text("abc\n")
+    rc, err, argv, _ = vllm_script(EFT_VLLM_HOST="0.0.0.0", EFT_VLLM_API_KEY_FILE=str(short))
+    assert rc == 2 and argv is None and "the key is empty or shorter than 16 characters" in err and "abc" not in err
+    rc, err, argv, _ = vllm_script(EFT_VLLM_API_KEY_FILE=str(tmp_path / "missing"))
+    assert rc == 2 and argv is None and f"EFT_VLLM_API_KEY_FILE {tmp_path / 'missing'}: no such file" in err
+
+
+def test_vllm_serve_sh_with_a_key_file_binds_wider_and_keeps_the_key_off_the_command_line(vllm_script, tmp_path):
+    key_file = tmp_path / "api-key"
+    key_file.write_text(f"\n  {TOKEN}  \n")
+    rc, err, argv, key = vllm_script(EFT_VLLM_HOST="0.0.0.0", EFT_VLLM_API_KEY_FILE=str(key_file))
+    assert rc == 0 and key == TOKEN and not any(TOKEN in a for a in argv)
+    assert argv[argv.index("--host") + 1] == "0.0.0.0"
+    assert err == "vllm-serve.sh: warning: the API key travels over plain HTTP to 0.0.0.0; put a TLS gateway in front\n"

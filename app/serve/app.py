@@ -1,10 +1,11 @@
 """The `eft serve` deployment: a Ray Serve FastAPI ingress answering OpenAI's `/v1/models`,
 `/v1/chat/completions` and `/v1/completions`, streaming as server-sent events on `stream: true`.
 
-Every route checks the bearer token first (when one is set), before the body is read, so a caller
-without it learns nothing about the API, not even which fields it takes. FastAPI's own pages
-(/docs, /openapi.json) are off: nothing is served unauthenticated. Replicas log through `logging`
-(Serve's replica log files), never print, and never log a request's headers.
+The bearer token (when one is set) is one dependency of the whole app, `require_token`, which
+FastAPI runs before any route, and before the body is read: a route added later cannot forget it,
+and a caller without the token learns nothing about the API, not even which fields it takes.
+FastAPI's own pages (/docs, /openapi.json) are off: nothing is served unauthenticated. Replicas
+log through `logging` (Serve's replica log files), never print, and never log a request's headers.
 
 No `from __future__ import annotations` here: FastAPI reads the routes' parameter annotations (the
 `Request`) as types, and Serve's ingress rebinds the methods where string annotations do not resolve.
@@ -15,12 +16,13 @@ import logging
 import time
 from typing import Optional
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request, Security
 from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from ray import serve
 
 from app.serve import openai_api as oa
-from app.serve.auth import is_authorized
+from app.serve.auth import is_token_valid
 from app.serve.generate import Sampling, TextGenerator, aiter_pieces, join_pieces
 from app.serve.source import ServedModel
 
@@ -28,7 +30,30 @@ from app.serve.source import ServedModel
 # replica's id); a logger of another name would have no handler there.
 log = logging.getLogger("ray.serve.eft")
 
-api = FastAPI(title="eft serve", docs_url=None, redoc_url=None, openapi_url=None)
+# auto_error off: a missing or non-Bearer header is refused by require_token, in OpenAI's error body.
+bearer = HTTPBearer(auto_error=False, description="the token `eft serve` was given (--token-file, EFT_SERVE_TOKEN)")
+
+
+async def read_replica_token_digest() -> Optional[bytes]:
+    """The token digest the replica answering this request was built with (async: no threadpool hop)."""
+    return serve.get_replica_context().servable_object.token_digest
+
+
+async def require_token(credentials: Optional[HTTPAuthorizationCredentials] = Security(bearer),
+                        digest: Optional[bytes] = Depends(read_replica_token_digest)) -> None:
+    """The app's one dependency: FastAPI runs it before every route's own parameters, the body
+    included. HTTPBearer declares the scheme, so the app's OpenAPI shows it on every operation."""
+    if not is_token_valid(credentials.credentials if credentials else None, digest):
+        raise unauthorized()
+
+
+api = FastAPI(title="eft serve", docs_url=None, redoc_url=None, openapi_url=None,
+              dependencies=[Depends(require_token)])
+
+
+@api.exception_handler(oa.RequestError)
+async def answer_request_error(request: Request, err: oa.RequestError) -> JSONResponse:
+    return error_response(err)
 
 
 def error_response(err: oa.RequestError) -> JSONResponse:
@@ -57,29 +82,22 @@ class ServeModel:
     # -- routes ----------------------------------------------------------------------------
 
     @api.get("/v1/models")
-    async def list_models(self, request: Request):
-        if not is_authorized(request.headers.get("authorization"), self.token_digest):
-            return error_response(unauthorized())
+    async def list_models(self):
         return oa.models_response(self.served.name, self.created, self.served.export_uri)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
-        try:
-            body = await self.read_request(request, oa.ChatCompletionRequest)
-            ids = self.generator.chat_ids([m.as_template_message() for m in body.messages])
-            sampling = self.sampling(body, ids, self.generator.max_tokens_limit)
-        except oa.RequestError as err:
-            return error_response(err)
+        # A RequestError raised here is answered by answer_request_error, as OpenAI's error body.
+        body = await self.read_request(request, oa.ChatCompletionRequest)
+        ids = self.generator.chat_ids([m.as_template_message() for m in body.messages])
+        sampling = self.sampling(body, ids, self.generator.max_tokens_limit)
         return await self.answer(oa.new_id("chatcmpl"), body, ids, sampling, self.chat_events, oa.chat_response)
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):
-        try:
-            body = await self.read_request(request, oa.CompletionRequest)
-            ids = self.generator.prompt_ids(body.prompt_text)
-            sampling = self.sampling(body, ids, oa.COMPLETION_DEFAULT_MAX_TOKENS)
-        except oa.RequestError as err:
-            return error_response(err)
+        body = await self.read_request(request, oa.CompletionRequest)
+        ids = self.generator.prompt_ids(body.prompt_text)
+        sampling = self.sampling(body, ids, oa.COMPLETION_DEFAULT_MAX_TOKENS)
         return await self.answer(oa.new_id("cmpl"), body, ids, sampling, self.completion_events,
                                  oa.completion_response)
 
@@ -94,9 +112,7 @@ class ServeModel:
         return respond(rid, self.served.name, text, finish, oa.usage(prompt_n, completion_n))
 
     async def read_request(self, request: Request, model: type[oa.SamplingRequest]) -> oa.SamplingRequest:
-        """The token first, then the body; then the model the request names."""
-        if not is_authorized(request.headers.get("authorization"), self.token_digest):
-            raise unauthorized()
+        """The body (require_token has passed), then the model the request names."""
         try:
             payload = json.loads(await request.body() or b"null")
         except ValueError:

@@ -4,7 +4,10 @@ Ray, Serve's HTTP proxy and the application, then a wait until the API answers a
 Ray is the one eft's other commands use (app/cluster.py): the cluster RAY_ADDRESS names, with
 Ray's token auth, else a Ray started in this process (token auth on) that ends with it. Serve's
 proxy binds `host:port` for the whole cluster, once: a Serve already running there keeps its own
-address, and the readiness wait then fails in one line saying so.
+address (a RayService's 0.0.0.0:8000, an earlier `eft serve --host 0.0.0.0`). So the address the
+proxy really listens on is read back before the application is deployed, and held to the bind
+rule (app/serve/auth.py `check_proxy_address`): a token-less model never lands on a proxy that
+listens beyond this machine, and the URL printed is where the proxy is.
 
 Engines: `transformers` (app/serve/app.py: `generate` in each replica, on CPU) and `vllm`, Ray
 Serve LLM's OpenAI app over the LLMConfig that app/serve/llm_config.py's `build_llm_config`
@@ -26,7 +29,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from app.cluster import find_free_port
-from app.serve.auth import check_bind
+from app.serve.auth import check_bind, check_proxy_address, warn_token_in_clear
 from app.serve.source import ServedModel, resolve_served_model
 
 log = logging.getLogger("eft.serve")
@@ -103,8 +106,12 @@ def start_serve(target: str, *, host: str = DEFAULT_HOST, port: Optional[int] = 
     answers. `port=None` takes a free one. Does not block: `handle.wait()` does, `handle.stop()` ends it."""
     check_bind(host, token)  # before any work: no model read, no Ray started
     check_engine_installed(engine)
+    if port is not None and not 1 <= port <= 65535:
+        raise ServeError(f"--port {port}: a TCP port, 1 to 65535")
     if replicas < 1:
         raise ServeError(f"--replicas {replicas}: at least 1")
+    if max_tokens < 1:
+        raise ServeError(f"--max-tokens {max_tokens}: at least 1")
     if not cpus_per_replica > 0:
         raise ServeError(f"--cpus-per-replica {cpus_per_replica}: more than 0")
     served = resolve_served_model(target, overrides, model_name, prefer_adapter)
@@ -118,13 +125,13 @@ def start_serve(target: str, *, host: str = DEFAULT_HOST, port: Optional[int] = 
     handle = None
     try:
         engine = pick_engine(engine, token)
-        port = port or find_free_port(DEFAULT_HOST if host in ANY_ADDRESS else host)
         if engine == "vllm":
             application = build_vllm_app(served, replicas)
         else:
             from app.serve.app import build_app
 
             application = build_app(served, token_digest(token), replicas, cpus_per_replica, max_tokens)
+        host, port = start_proxy(host, port, token)
         handle = deploy(application, served, host, port, app_name, engine, started_ray)
         wait_ready(handle, probe_url(host, port), token)
     except BaseException:
@@ -185,11 +192,28 @@ def build_vllm_app(served: ServedModel, replicas: int):
     return build_openai_app({"llm_configs": [config]})
 
 
-def deploy(application, served: ServedModel, host: str, port: int, app_name: str, engine: str,
-           started_ray: bool) -> ServeHandle:
+def start_proxy(host: str, port: Optional[int], token: Optional[str]) -> tuple[str, int]:
+    """Serve's HTTP proxy at `host:port` (`port` None: a free one), or the one already running on
+    the cluster, which keeps its own address: that address, once it passes the bind rule."""
     from ray import serve
 
-    serve.start(http_options={"host": host, "port": port})
+    from app.compat import serve_http_address
+
+    port_asked = port or find_free_port(DEFAULT_HOST if host in ANY_ADDRESS else host)
+    serve.start(http_options={"host": host, "port": port_asked})
+    actual = serve_http_address()
+    if actual is None:
+        raise ServeError("Serve did not start on this Ray cluster (`serve status` says why)")
+    check_proxy_address(host, port, actual, token)
+    warn_token_in_clear(actual[0], token)
+    return actual
+
+
+def deploy(application, served: ServedModel, host: str, port: int, app_name: str, engine: str,
+           started_ray: bool) -> ServeHandle:
+    """The application on the running proxy, at route `/`."""
+    from ray import serve
+
     try:
         serve.run(application, name=app_name, route_prefix="/")
     except Exception as err:  # a replica that failed to start: its first line says why
@@ -214,8 +238,7 @@ def probe_url(host: str, port: int) -> str:
 
 
 def wait_ready(handle: ServeHandle, url: str, token: Optional[str], timeout_s: float = READY_TIMEOUT_S) -> None:
-    """Until GET /v1/models lists the model: the proxy routes to the replicas, and answers at the
-    address asked for (a Serve started earlier on this cluster with other HTTP options does not)."""
+    """Until GET /v1/models lists the model: the proxy routes to the replicas."""
     request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
     deadline, last = time.monotonic() + timeout_s, "no answer"
     while time.monotonic() < deadline:
@@ -230,8 +253,7 @@ def wait_ready(handle: ServeHandle, url: str, token: Optional[str], timeout_s: f
         except (OSError, ValueError) as err:
             last = type(err).__name__
         time.sleep(0.25)
-    raise ServeError(f"{url}: the application started but does not answer there ({last}); if Serve was already "
-                     f"running on this Ray cluster, it keeps its own host and port (`serve shutdown` stops it)")
+    raise ServeError(f"{url}: the application started but does not answer there ({last})")
 
 
 def first_line(err: BaseException) -> str:

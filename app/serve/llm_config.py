@@ -23,6 +23,7 @@ from __future__ import annotations
 import shlex
 from typing import Optional
 
+from app.serve.auth import MIN_TOKEN_CHARS
 from app.serve.source import ServedModel
 
 SERVE_LLM_IMPORT_PATH = "ray.serve.llm:build_openai_app"
@@ -168,12 +169,49 @@ def check_serve_app_config(config: dict) -> None:
 TEMPLATE_FILE = "chat_template.jinja"
 
 
+# The guard at the top of vllm-serve.sh, before anything is fetched: vLLM's own default host is
+# every interface with no key, so the script binds to loopback unless EFT_VLLM_HOST says otherwise,
+# and a wider bind needs the key from EFT_VLLM_API_KEY_FILE, the rule `eft serve` keeps
+# (app/serve/auth.py). The key goes to vLLM as VLLM_API_KEY, which it reads when --api-key is not
+# given: an argument would show in every `ps` listing on the machine.
+VLLM_GUARD = r"""host="${EFT_VLLM_HOST:-127.0.0.1}"
+loopback='^(127\.[0-9]+\.[0-9]+\.[0-9]+|::1|localhost)$'
+for arg in "$@"; do
+    case "$arg" in
+        --host | --host=* | --api-key | --api-key=*)
+            echo "vllm-serve.sh: $arg: set EFT_VLLM_HOST or EFT_VLLM_API_KEY_FILE instead" >&2
+            exit 2 ;;
+    esac
+done
+if [[ -n "${EFT_VLLM_API_KEY_FILE:-}" ]]; then
+    if [[ ! -f "$EFT_VLLM_API_KEY_FILE" ]]; then
+        echo "vllm-serve.sh: EFT_VLLM_API_KEY_FILE $EFT_VLLM_API_KEY_FILE: no such file" >&2
+        exit 2
+    fi
+    # The first line that is not blank, without surrounding whitespace (as eft serve's --token-file).
+    key="$(awk 'NF { sub(/^[[:space:]]+/, ""); sub(/[[:space:]]+$/, ""); print; exit }' "$EFT_VLLM_API_KEY_FILE")"
+    if (( ${#key} < MIN_CHARS )); then
+        echo "vllm-serve.sh: EFT_VLLM_API_KEY_FILE $EFT_VLLM_API_KEY_FILE: the key is empty or shorter than MIN_CHARS characters; use a long random one (openssl rand -hex 32)" >&2
+        exit 2
+    fi
+    export VLLM_API_KEY="$key"
+    unset key
+elif [[ ! "$host" =~ $loopback ]]; then
+    echo "vllm-serve.sh: EFT_VLLM_HOST=$host listens beyond this machine: give the API key every request must carry (EFT_VLLM_API_KEY_FILE=FILE), or serve on 127.0.0.1" >&2
+    exit 2
+fi
+if [[ -n "${VLLM_API_KEY:-}" && ! "$host" =~ $loopback ]]; then
+    echo "vllm-serve.sh: warning: the API key travels over plain HTTP to $host; put a TLS gateway in front" >&2
+fi""".replace("MIN_CHARS", str(MIN_TOKEN_CHARS))
+
+
 def build_vllm_script(served: ServedModel, *, chat_template: Optional[str],
                       tensor_parallel_size: int = 1, max_model_len: Optional[int] = None,
                       lora_rank: Optional[int] = None, port: int = SERVE_PORT) -> str:
     """A shell script that fetches the served trees and runs `vllm serve` on them, outside Ray:
     the same model ids, template and parallelism as the Serve LLM config. vLLM reads local
-    directories, so the trees are copied down first (`aws s3 sync`; a local export is used in place)."""
+    directories, so the trees are copied down first (`aws s3 sync`; a local export is used in place).
+    It listens on 127.0.0.1 unless EFT_VLLM_HOST says otherwise, which needs an API key (VLLM_GUARD)."""
     adapter = served.kind == "adapter"
     ids = served_model_ids(served)
     lines = ["#!/usr/bin/env bash",
@@ -181,7 +219,12 @@ def build_vllm_script(served: ServedModel, *, chat_template: Optional[str],
              "# chat template as the RayService. Needs vLLM (pip install vllm) and, for s3:// trees, the AWS CLI.",
              "# Clients: an OpenAI base URL of http://HOST:PORT/v1 and a model of " +
              " or ".join(ids) + ".",
+             "# Listens on 127.0.0.1; EFT_VLLM_HOST=ADDRESS for another, which needs EFT_VLLM_API_KEY_FILE=FILE",
+             f"# (its first line, {MIN_TOKEN_CHARS} characters at least, is the key clients send as their API key).",
+             "# vLLM speaks plain HTTP and checks the key on /v1 only: beyond loopback, put a gateway in front",
+             "# that terminates TLS and passes only /v1 (docs/serving.md).",
              "set -euo pipefail",
+             VLLM_GUARD,
              'here="$(cd "$(dirname "$0")" && pwd)"',
              'trees="${EFT_VLLM_DIR:-$here/trees}"']
     if served.endpoint:
@@ -189,7 +232,7 @@ def build_vllm_script(served: ServedModel, *, chat_template: Optional[str],
     model_dir = '"$trees/base"' if adapter else '"$trees/model"'
     lines += fetch_lines(served.model_uri, model_dir)
     args = [f"vllm serve {model_dir}", f"--served-model-name {shlex.quote(ids[0])}",
-            f"--port {port}", f"--tensor-parallel-size {tensor_parallel_size}"]
+            '--host "$host"', f"--port {port}", f"--tensor-parallel-size {tensor_parallel_size}"]
     if max_model_len is not None:
         args.append(f"--max-model-len {max_model_len}")
     if chat_template is not None:

@@ -14,6 +14,11 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
+from openai.types import Completion, CompletionChoice, CompletionUsage, ErrorObject, Model
+from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage
+from openai.types.chat.chat_completion import Choice as ChatChoice
+from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
+from openai.types.chat.chat_completion_chunk import ChoiceDelta
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 MAX_STOP_SEQUENCES = 4  # as OpenAI allows
@@ -143,55 +148,68 @@ def parse_request(model: type[SamplingRequest], body: Any) -> SamplingRequest:
 
 
 # -- responses --------------------------------------------------------------------------------
+# Built from the `openai` package's own models (what its client parses), validated as they are
+# built, so the wire schema cannot drift from what clients read. `to_dict()` keeps the fields set
+# here and nothing else: the bodies are the ones this server has always sent.
 
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int) -> CompletionUsage:
+    return CompletionUsage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                           total_tokens=prompt_tokens + completion_tokens)
 
 
-def chat_response(rid: str, model: str, text: str, finish_reason: str, used: dict) -> dict:
-    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                         "finish_reason": finish_reason}], "usage": used}
+def chat_response(rid: str, model: str, text: str, finish_reason: str, used: CompletionUsage) -> dict:
+    choice = ChatChoice(index=0, message=ChatCompletionMessage(role="assistant", content=text), logprobs=None,
+                        finish_reason=finish_reason)
+    return ChatCompletion(id=rid, object="chat.completion", created=int(time.time()), model=model, choices=[choice],
+                          usage=used).to_dict(mode="json")
 
 
 def chat_chunk(rid: str, model: str, delta: dict, finish_reason: Optional[str] = None,
-               used: Optional[dict] = None) -> dict:
+               used: Optional[CompletionUsage] = None) -> dict:
     """One streamed piece: a delta (role first, then content), the last one with finish_reason; with
     stream_options.include_usage, a final chunk of no choices carries the usage."""
-    choices = [] if used is not None else [{"index": 0, "delta": delta, "logprobs": None,
-                                            "finish_reason": finish_reason}]
-    return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": choices, **({"usage": used} if used is not None else {})}
+    choices = [] if used is not None else [ChunkChoice(index=0, delta=ChoiceDelta(**delta), logprobs=None,
+                                                       finish_reason=finish_reason)]
+    return ChatCompletionChunk(id=rid, object="chat.completion.chunk", created=int(time.time()), model=model,
+                               choices=choices, **({"usage": used} if used is not None else {})).to_dict(mode="json")
 
 
-def completion_response(rid: str, model: str, text: str, finish_reason: str, used: dict) -> dict:
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-            "usage": used}
+def completion_response(rid: str, model: str, text: str, finish_reason: str, used: CompletionUsage) -> dict:
+    choice = CompletionChoice(index=0, text=text, logprobs=None, finish_reason=finish_reason)
+    return Completion(id=rid, object="text_completion", created=int(time.time()), model=model, choices=[choice],
+                      usage=used).to_dict(mode="json")
 
 
 def completion_chunk(rid: str, model: str, text: str, finish_reason: Optional[str] = None,
-                     used: Optional[dict] = None) -> dict:
-    choices = [] if used is not None else [{"index": 0, "text": text, "logprobs": None,
-                                            "finish_reason": finish_reason}]
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": choices, **({"usage": used} if used is not None else {})}
+                     used: Optional[CompletionUsage] = None) -> dict:
+    """A streamed completion is a series of `Completion`s, as OpenAI's is."""
+    if used is not None:
+        choices = []
+    elif finish_reason is None:
+        # OpenAI streams `finish_reason: null` until the last piece, which the type (written for
+        # the whole answer) does not allow; its client reads stream chunks without validating.
+        choices = [CompletionChoice.model_construct(index=0, text=text, logprobs=None, finish_reason=None)]
+    else:
+        choices = [CompletionChoice(index=0, text=text, logprobs=None, finish_reason=finish_reason)]
+    return Completion(id=rid, object="text_completion", created=int(time.time()), model=model, choices=choices,
+                      **({"usage": used} if used is not None else {})).to_dict(mode="json")
 
 
 def models_response(model: str, created: int, root: str) -> dict:
-    return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "eft",
-                                        "root": root}]}
+    """GET /v1/models: a list of one `Model` (`root`, the export's URI, is an extra field OpenAI's
+    type keeps); the list's envelope has no type of its own in the package."""
+    entry = Model(id=model, object="model", created=created, owned_by="eft", root=root)
+    return {"object": "list", "data": [entry.to_dict(mode="json")]}
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: Optional[str] = None,
                code: Optional[str] = None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return {"error": ErrorObject(message=message, type=kind, param=param, code=code).to_dict(mode="json")}
 
 
 def sse(data: Union[dict, str]) -> str:
