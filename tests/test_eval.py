@@ -289,6 +289,23 @@ def test_an_instruction_run_renders_prompts_as_training_did(chat_base):
     assert renderer.mode == "instruction prompt"
 
 
+def test_a_template_that_refuses_the_probe_stops_at_eos_and_says_so(chat_base, caplog):
+    """The end-of-turn stop token is found by rendering a probe reply; a template that refuses it
+    leaves generation to stop at EOS only, which was silent."""
+    import logging
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(Store().cache_locally(chat_base))
+    template = ("{% for m in messages %}{% if m.role == 'assistant' %}{{ raise_exception('no replies here') }}"
+                "{% endif %}{{ m.content }}{% endfor %}")
+    with caplog.at_level(logging.WARNING, logger="eft.eval"):
+        renderer = PromptRenderer(tokenizer, template, "chat")
+    assert renderer.stop_ids == [tokenizer.eos_token_id]
+    assert "the chat template refuses a probe conversation (TemplateError: no replies here); generation stops at " \
+           "EOS only" in caplog.text
+
+
 # -- the set -------------------------------------------------------------------------------------
 
 
