@@ -275,8 +275,9 @@ def test_an_instruction_run_renders_prompts_as_training_did(chat_base):
     """Instruction training put `[bos] + prompt` before the response; a prompt record renders the same."""
     from transformers import AutoTokenizer
 
+    from one_document import tokenize_document
+
     from app.data.formats import Document
-    from app.data.packing import tokenize_document
 
     tokenizer = AutoTokenizer.from_pretrained(Store().cache_locally(chat_base))
     renderer = PromptRenderer(tokenizer, tokenizer.chat_template, "instruction")
