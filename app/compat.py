@@ -68,20 +68,16 @@ def installed_version(library: str) -> Optional[str]:
 
 
 def release(version: str) -> tuple[int, ...]:
-    """The numeric release of a version string: '2.13.0+cpu' → (2, 13, 0); '2.61.0rc1' → (2, 61, 0)."""
-    numbers = []
-    for part in version.split("+")[0].split("."):
-        digits = ""
-        for ch in part:
-            if not ch.isdigit():
-                break
-            digits += ch
-        if not digits:
-            break
-        numbers.append(int(digits))
-        if len(digits) < len(part):
-            break
-    return tuple(numbers)
+    """The numeric release of a version string, by PEP 440 (packaging, which Ray, transformers and
+    accelerate require): '2.13.0+cpu' → (2, 13, 0); '2.61.0rc1' → (2, 61, 0), so a pre-release of
+    the first unchecked version counts as outside the range, as the release it leads to. A string
+    that is no version at all → (): below every range."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(version).release
+    except InvalidVersion:
+        return ()
 
 
 def outside_checked_range(library: str, version: Optional[str]) -> bool:

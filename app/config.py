@@ -50,6 +50,22 @@ def check_location(uri: str) -> str:
     return uri
 
 
+HUB_SCHEME = "hf://"
+_HUB_NAME_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def check_hub_id(uri: str) -> str:
+    """`hf://ORG/NAME[@REVISION]`: the syntax of a hub id, checked where the config is read so
+    that every command (`eft config` too) refuses a bad one before any work. Pure: the same rule
+    as app.hub.parse_hub_uri, which the config cannot import (it reaches storage). Raises
+    ValueError naming the URI."""
+    repo, at, revision = uri[len(HUB_SCHEME):].partition("@")
+    parts = repo.strip("/").split("/")
+    if len(parts) != 2 or not all(_HUB_NAME_PART.fullmatch(p) for p in parts) or (at and not revision):
+        raise ValueError(f"{uri} is not a hub id (hf://ORG/NAME or hf://ORG/NAME@REVISION)")
+    return uri
+
+
 def locations_overlap(a: str, b: str) -> bool:
     """True when one URI's tree holds the other's (or they are the same)."""
     (scheme_a, parts_a), (scheme_b, parts_b) = split_location(a), split_location(b)
@@ -79,6 +95,11 @@ class ModelConfig(_Strict):
     allow_pickle_weights: bool = False
     """Mirror and load a hub repo that has only pickled weights (`.bin`, `.pt`). Loading a pickle runs
     the code it holds: leave off unless the repo is trusted."""
+
+    @field_validator("uri")
+    @classmethod
+    def _a_hub_id(cls, uri: str) -> str:
+        return check_hub_id(uri) if uri.startswith(HUB_SCHEME) else uri
 
 
 class LoraConfig(_Strict):
@@ -354,21 +375,42 @@ class TrainingConfig(_Strict):
         return self
 
 
+# Each preference objective's own defaults for the `preference` keys a config leaves unset (JobConfig
+# fills them in, so the config stored with a run shows the values used; a value set in the config
+# always wins). Sources:
+# - dpo (sigmoid and ipo): β 0.1, the DPO paper's (Rafailov et al. 2023) and TRL's DPOConfig default,
+#   which TRL keeps for loss_type ipo (IPO's τ);
+# - simpo: β 2.0 and γ 1.0, the SimPO paper's (Meng et al. 2024) recommended β of 2.0-2.5 with
+#   γ/β = 0.5 (its repo's gamma_beta_ratio). TRL's CPOConfig keeps 0.1 and 0.5 for SimPO as for CPO,
+#   and at β 0.1 the rewards' differences are too small to move: a held-out SimPO loss went 0.972 →
+#   0.969 in 40 steps where DPO on the same pairs went 0.693 → 0.459;
+# - orpo: λ 0.1, the ORPO paper's (Hong et al. 2024) and TRL's ORPOConfig.beta, which TRL also
+#   uses as the reward metrics' scale: β 0.1.
+OBJECTIVE_DEFAULTS: dict[str, dict[str, float]] = {
+    "dpo": {"beta": 0.1},
+    "simpo": {"beta": 2.0, "simpo_gamma": 1.0},
+    "orpo": {"beta": 0.1, "orpo_lambda": 0.1},
+}
+
+
 class PreferenceConfig(_Strict):
     """The preference objectives (`training.objective` dpo, simpo or orpo)."""
 
-    beta: float = Field(0.1, gt=0)
-    """DPO's β (the KL penalty's inverse temperature); SimPO's reward scale; the scale of the reward
-    metrics for SimPO and ORPO."""
+    beta: Optional[float] = Field(None, gt=0)
+    """DPO's β (the KL penalty's inverse temperature; IPO's τ); SimPO's reward scale; the scale of
+    the reward metrics for SimPO and ORPO. Default by objective: 0.1 for dpo (the DPO paper's and
+    TRL's), 2.0 for simpo (the SimPO paper recommends 2.0-2.5), 0.1 for orpo (TRL's); null for sft."""
     loss: Literal["sigmoid", "ipo"] = "sigmoid"
     """DPO's loss: `sigmoid` (the DPO paper) or `ipo` (IPO's squared loss on length-averaged
     log-ratios)."""
     label_smoothing: float = Field(0.0, ge=0, lt=0.5)
     """Conservative DPO / SimPO: the probability that a pair's labels are flipped."""
-    simpo_gamma: float = Field(0.5, ge=0)
-    """SimPO's target reward margin γ."""
-    orpo_lambda: float = Field(0.1, gt=0)
-    """ORPO's weight λ of the odds-ratio term next to the SFT loss on the chosen completion."""
+    simpo_gamma: Optional[float] = Field(None, ge=0)
+    """SimPO's target reward margin γ. Default for simpo: 1.0 (the SimPO paper's γ/β of 0.5 at β
+    2.0)."""
+    orpo_lambda: Optional[float] = Field(None, gt=0)
+    """ORPO's weight λ of the odds-ratio term next to the SFT loss on the chosen completion. Default
+    for orpo: 0.1 (the ORPO paper's and TRL's)."""
     reference: Optional[Literal["precomputed", "live", "none"]] = None
     """Where DPO's reference log-probs come from. `precomputed`: `eft prepare` computes them once
     with the base model (`model.uri`) as a Ray Data batch-inference pass and stores them with the
@@ -631,7 +673,14 @@ class JobConfig(_Strict):
         if self.serve.adapter and self.lora is None:
             raise ValueError("serve.adapter: true needs a lora section (a full fine-tune exports a merged model only)")
         self._check_preference()
+        self._fill_objective_defaults()
         return self
+
+    def _fill_objective_defaults(self) -> None:
+        """The `preference` keys left unset take the objective's defaults (OBJECTIVE_DEFAULTS)."""
+        for key, value in OBJECTIVE_DEFAULTS.get(self.training.objective, {}).items():
+            if getattr(self.preference, key) is None:
+                setattr(self.preference, key, value)
 
     def _check_preference(self) -> None:
         """The objective, its reference and the dataset's format agree."""

@@ -162,6 +162,19 @@ def test_a_template_that_rejects_the_system_role_skips_the_record_with_its_reaso
         "chat template error: System role not supported")
 
 
+def test_a_template_that_compiles_but_refuses_the_sample_turn_says_so_in_the_log(caplog):
+    """The compile check renders one user turn; a template that refuses it (one that wants a
+    system turn first) passes, as each record decides for itself, but no longer silently."""
+    import logging
+
+    from app.data.engines import check_chat_template
+
+    with caplog.at_level(logging.DEBUG, logger="app.data.engines"):
+        check_chat_template("{{ raise_exception('a system turn first') }}", "prepare.chat_template t.jinja")
+    assert "prepare.chat_template t.jinja compiles but refuses a one-turn sample (TemplateError: a system turn " \
+           "first)" in caplog.text
+
+
 @pytest.mark.parametrize("style", ["qwen2.5-instruct", "gemma-it"])
 def test_train_on_last_assistant_and_all(styled, style):
     tok = styled[style]

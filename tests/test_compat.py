@@ -56,6 +56,9 @@ def test_installed_versions_are_the_checked_ones():
     ("ray", "2.61.0", True), ("ray", "2.59.2", True), ("ray", "2.60.1", False), ("ray", "2.61.0rc1", True),
     ("torch", "2.13.0+cpu", False), ("torch", "2.14.1", True), ("torch", "2.12.0", True),
     ("transformers", "5.24.0", False), ("transformers", "4.57.0", True),
+    # PEP 440 forms (packaging reads them): a nightly of a checked release, one of the next, no version.
+    ("torch", "2.13.0.dev20260101+cu128", False), ("torch", "2.14.0a0+git1234abc", True),
+    ("transformers", "not-a-version", True),
 ])
 def test_a_version_outside_the_checked_range_warns_naming_the_shims(library, version, warns):
     with warnings.catch_warnings(record=True) as caught:

@@ -181,3 +181,28 @@ def test_train_with_a_root_of_slash_empty_or_dot_stops_at_the_config(root, capsy
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(f"eft: error: {TINY}: storage.root_uri: ")
     assert list(tmp_path.iterdir()) == []  # nothing in the current directory
+
+
+@pytest.mark.parametrize("uri", ["hf://justone", "hf://", "hf://a/b/c", "hf://org/name@", "hf://-org/name",
+                                 "hf://org/na me", "hf://org//name"])
+def test_a_malformed_hub_id_is_refused_by_every_command_in_one_line(uri, capsys):
+    """`eft config` printed `model.uri: hf://justone` and exited 0, and `eft plan` then refused it:
+    the hub id's syntax is the config's, so `config` (and every command) refuses it."""
+    from app.cli import main
+
+    message = config_error(TINY, [f"model.uri={uri}"])
+    assert f"model.uri: {uri} is not a hub id (hf://ORG/NAME or hf://ORG/NAME@REVISION)" in message
+    assert main(["config", str(TINY), "--set", f"model.uri={uri}"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    (line,) = captured.err.strip().splitlines()
+    assert line.startswith(f"eft: error: {TINY}: model.uri: {uri} is not a hub id")
+
+
+@pytest.mark.parametrize("uri", ["hf://org/name", "hf://Org-1/name.v2_x", "hf://org/name@main",
+                                 "hf://org/name@0123456789abcdef0123456789abcdef01234567", "hf://org/name/"])
+def test_a_well_formed_hub_id_loads(uri):
+    from app.hub import parse_hub_uri
+
+    assert load_config(TINY, [f"model.uri={uri}"]).model.uri == uri
+    parse_hub_uri(uri)  # the hub's own parser reads it too

@@ -204,6 +204,42 @@ def test_multiple_choice_log_likelihoods_equal_transformers_reference(tuned_run)
     assert max(off_by_one) > 1e-2
 
 
+def test_multiple_choice_gathers_on_the_device_and_only_the_sums_reach_the_host(chat_base, monkeypatch):
+    """Each choice's whole [T, V] log-softmax went to the CPU; now the gather runs where the logits
+    are, and nothing as wide as the vocabulary is moved to the host."""
+    from transformers import AutoModelForCausalLM
+
+    from app.eval.engine import ScoreEval
+
+    scorer = ScoreEval(None, "us-east-1", {"kind": "base", "model_uri": chat_base},
+                       {"kind": "multiple_choice", "pad_id": 0}, use_gpu=False)
+    vocab = scorer.model.config.vocab_size
+    rows = [{"index": 0, "input_ids": [5, 17, 30, 8], "choice_ids": [[40], [41, 42], [43, 44, 45]]},
+            {"index": 1, "input_ids": [9, 12], "choice_ids": [[60, 61, 62, 63], [70]]}]
+    moved = []
+    for name in ("cpu", "numpy", "tolist"):
+        original = getattr(torch.Tensor, name)
+
+        def recording(self, *args, _original=original, **kwargs):
+            moved.append(tuple(self.shape))
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, recording)
+    out = scorer.score(rows)
+    monkeypatch.undo()
+    assert moved and not [shape for shape in moved if shape and shape[-1] == vocab], moved
+    model = AutoModelForCausalLM.from_pretrained(Store().cache_locally(chat_base), dtype=torch.float32).eval()
+    for row, result in zip(rows, out):
+        expected = []
+        for choice in row["choice_ids"]:
+            ids = torch.tensor([row["input_ids"] + choice])
+            with torch.no_grad():
+                logp = model(input_ids=ids).logits[0].double().log_softmax(-1)
+            n = len(row["input_ids"])
+            expected.append(sum(float(logp[n - 1 + j, t]) for j, t in enumerate(choice)))
+        np.testing.assert_allclose(result["choice_logprobs"], expected, rtol=1e-5, atol=1e-4)
+
+
 def test_choice_rules_follow_lm_eval():
     # The longer choice wins per character, the shorter one in total.
     assert score_choices([-5.0, -4.0], ["much longer", "a"], 1) == {"acc": True, "acc_norm": False}
@@ -239,8 +275,9 @@ def test_an_instruction_run_renders_prompts_as_training_did(chat_base):
     """Instruction training put `[bos] + prompt` before the response; a prompt record renders the same."""
     from transformers import AutoTokenizer
 
+    from one_document import tokenize_document
+
     from app.data.formats import Document
-    from app.data.packing import tokenize_document
 
     tokenizer = AutoTokenizer.from_pretrained(Store().cache_locally(chat_base))
     renderer = PromptRenderer(tokenizer, tokenizer.chat_template, "instruction")
@@ -251,6 +288,23 @@ def test_an_instruction_run_renders_prompts_as_training_did(chat_base):
     prompt_len = int(np.argmax(np.asarray(labels) != -100))
     assert renderer.ids(record) == list(ids[:prompt_len])
     assert renderer.mode == "instruction prompt"
+
+
+def test_a_template_that_refuses_the_probe_stops_at_eos_and_says_so(chat_base, caplog):
+    """The end-of-turn stop token is found by rendering a probe reply; a template that refuses it
+    leaves generation to stop at EOS only, which was silent."""
+    import logging
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(Store().cache_locally(chat_base))
+    template = ("{% for m in messages %}{% if m.role == 'assistant' %}{{ raise_exception('no replies here') }}"
+                "{% endif %}{{ m.content }}{% endfor %}")
+    with caplog.at_level(logging.WARNING, logger="eft.eval"):
+        renderer = PromptRenderer(tokenizer, template, "chat")
+    assert renderer.stop_ids == [tokenizer.eos_token_id]
+    assert "the chat template refuses a probe conversation (TemplateError: no replies here); generation stops at " \
+           "EOS only" in caplog.text
 
 
 # -- the set -------------------------------------------------------------------------------------
@@ -275,6 +329,21 @@ def test_bad_records_are_counted_skips_and_over_the_limit_one_line(s3):
     message = str(err.value)
     assert "\n" not in message and "4 records cannot be scored" in message and "bad.jsonl:2" in message
     assert len(load_eval_set(store, EvalConfig(uri=uri, max_bad_records=4), limit=1).records) == 1
+
+
+def test_an_empty_answer_is_a_counted_bad_record(s3):
+    """An empty accepted answer is in every prediction: `contains` scored the record right
+    whatever the model said."""
+    from app.config import EvalConfig
+
+    assert score_generation("anything at all", [""], "contains") == (True, None)  # why it cannot be scored
+    records = [{"prompt": "p", "answer": "a"}, {"prompt": "p", "answer": ""}, {"prompt": "p", "answer": ["a", " "]},
+               {"messages": [{"role": "user", "content": "hi"}], "answer": "\n"}]
+    eval_set = load_eval_set(Store(), EvalConfig(uri=write_set("empty-answers", records), metric="contains",
+                                                 max_bad_records=3))
+    assert [r.where for r in eval_set.records] == ["empty-answers.jsonl:1"]
+    assert eval_set.skipped == {"an answer is empty": 3}
+    assert eval_set.bad_lines[0] == "empty-answers.jsonl:2: an answer is empty"
 
 
 def test_a_metric_that_does_not_fit_the_records_is_a_config_error(s3):
@@ -324,6 +393,30 @@ def test_bootstrap_interval_brackets_the_mean():
     low, high = bootstrap_interval(correct, seed=0)
     assert low < 0.3 < high and 0.15 < low and high < 0.45
     assert bootstrap_interval(correct, seed=0) == (low, high)
+    with pytest.raises(ValueError, match="0 or 1"):
+        bootstrap_interval(np.array([0.5, 1.0]))
+
+
+def test_the_bootstrap_draws_the_count_right_not_every_record():
+    """Resampling the records drew a samples × n index array (800 MB at n = 100k); for right/wrong
+    scores the count right in a resample is binomial, drawn directly: the same interval, in a
+    few kilobytes."""
+    import tracemalloc
+
+    correct = np.array([1] * 130 + [0] * 70)
+    rng = np.random.default_rng(1)
+    by_records = correct[rng.integers(0, correct.size, size=(20000, correct.size))].mean(axis=1)
+    want = np.percentile(by_records, [2.5, 97.5])
+    np.testing.assert_allclose(bootstrap_interval(correct, seed=0, samples=20000), want, atol=0.012)
+    many = np.arange(20_000) % 3 == 0
+    tracemalloc.start()
+    try:
+        low, high = bootstrap_interval(many, seed=0)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert low < many.mean() < high and high - low < 0.02
+    assert peak < 4 << 20, f"{peak / 2**20:.0f} MiB"  # the index array alone was 160 MB here
 
 
 # -- results in status and report ----------------------------------------------------------------

@@ -14,7 +14,7 @@ import boto3
 import pytest
 from hub_server import HubRepo, HubServer
 
-from app.config import build_config
+from app.config import ConfigError, build_config
 from app.hub import MARKER, HubError, default_mirror_root, list_mirrors, mirror_model, resolve_model
 from app.storage import Store, join
 
@@ -169,8 +169,8 @@ def test_missing_repos_and_revisions_and_a_dead_hub_are_one_line(s3, hub, monkey
         mirror_model(store, "hf://acme/nothing", root)
     with pytest.raises(HubError, match=rf"^hf://{ORG_NAME}: revision 'v9' does not exist"):
         mirror_model(store, f"hf://{ORG_NAME}@v9", root)
-    with pytest.raises(HubError, match=r"^model.uri hf://just-a-name: not a hub id"):
-        resolve_model(job("hf://just-a-name", root), store)
+    with pytest.raises(ConfigError, match=r"model\.uri: hf://just-a-name is not a hub id"):
+        job("hf://just-a-name", root)  # the config refuses it (tests/test_configs.py), before the hub
     import socket
 
     with socket.socket() as s:

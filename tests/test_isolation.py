@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 from numerics import assert_close
+from one_document import build_example
 
 from app.batch import IGNORE_INDEX
-from app.data.packing import build_example, pack_examples
+from app.data.packing import pack_examples
 from app.model.loss import loss_sum
 
 BOS, EOS, PAD = 1, 2, 0

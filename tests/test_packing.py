@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 
 from app.data.formats import Document, Skip, build_document, parse_jsonl_block, parse_jsonl_line
+from one_document import build_example, tokenize_document
+
 from app.data.packing import (
-    IGNORE_INDEX, Packer, build_example, build_examples_flat, flatten_token_lists, pack_examples,
-    source_key, tokenize_document, tokenize_documents, validation_mask,
+    IGNORE_INDEX, Packer, build_examples_flat, flatten_token_lists, pack_examples, source_key, tokenize_documents,
+    validation_mask,
 )
 
 BOS, EOS, PAD = 0, 1, 2

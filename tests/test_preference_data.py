@@ -160,6 +160,58 @@ def test_config_defaults_and_one_line_rejections():
         assert "\n" not in str(err.value)
 
 
+def test_each_objective_has_its_own_defaults_a_set_value_wins_and_the_stored_config_shows_them():
+    """SimPO shared DPO's β 0.1, at which its held-out loss barely moved; each objective now has
+    its papers' values (app.config.OBJECTIVE_DEFAULTS) unless the config sets them."""
+    import yaml
+
+    from app.config import dump_config
+
+    shown = {o: make_cfg(training={"objective": o}).preference for o in ("dpo", "simpo", "orpo")}
+    assert [(p.beta, p.simpo_gamma, p.orpo_lambda) for p in shown.values()] == [
+        (0.1, None, None), (2.0, 1.0, None), (0.1, None, 0.1)]
+    assert make_cfg(preference={"loss": "ipo"}).preference.beta == 0.1
+    assert make_cfg(prepare={"format": "instruction"}, training={"objective": "sft"}).preference.beta is None
+    own = make_cfg(training={"objective": "simpo"}, preference={"beta": 0.5, "simpo_gamma": 0.0}).preference
+    assert (own.beta, own.simpo_gamma) == (0.5, 0.0)  # a set 0 is a value, not "unset"
+    assert make_cfg(training={"objective": "orpo"}, preference={"orpo_lambda": 0.2}).preference.orpo_lambda == 0.2
+    # The config stored with a run (<run>/config.yaml is dump_config's) holds the values used,
+    # and loads back to them.
+    stored = yaml.safe_load(dump_config(make_cfg(training={"objective": "simpo"})))
+    assert (stored["preference"]["beta"], stored["preference"]["simpo_gamma"]) == (2.0, 1.0)
+    assert build_config(stored).preference == shown["simpo"]
+
+
+@pytest.mark.parametrize("where", ["s3", "local"])
+def test_weights_rewritten_at_the_same_uri_and_size_are_another_reference(s3, tok, tmp_path, where):
+    """The reference log-probs' fingerprint took the weight files' names and sizes: a fine-tune
+    written over its base at the same URI kept both, and the base's stale log-probs were reused.
+    It takes their contents now (S3's ETags, a local file's sha256)."""
+    import re
+
+    from app.data.reference import ReferenceLogpsError, check_reference, reference_identity
+    from app.storage import join
+
+    store, local = Store(), tmp_path / "model"
+    build_tiny_model(tok).save_pretrained(local, safe_serialization=True)
+    uri = "s3://eft/models/tiny-pref-rewritten" if where == "s3" else str(local)
+    if where == "s3":
+        store.upload_dir(local, uri, last=("config.json",))
+    sizes, before = store.list_file_sizes(uri), reference_identity(store, uri)
+    assert reference_identity(store, uri) == before  # the same while nothing changes
+    weights = bytearray((local / "model.safetensors").read_bytes())
+    weights[-4:] = bytes(b ^ 0xFF for b in weights[-4:])  # other weights, the same size
+    store.write_bytes(join(uri, "model.safetensors"), bytes(weights))
+    assert store.list_file_sizes(uri) == sizes
+    after = reference_identity(store, uri)
+    assert after["uri"] == before["uri"] and after["fingerprint"] != before["fingerprint"]
+    cfg = make_cfg(model={"uri": uri})
+    with pytest.raises(ReferenceLogpsError, match=rf"^data.uri \S+ holds reference log-probs of the model that was at "
+                                                   rf"model.uri {re.escape(uri)} then .* changed since.* run `eft prepare`"):
+        check_reference(cfg, store, {"reference": {"model": before}})
+    check_reference(cfg, store, {"reference": {"model": after}})
+
+
 # -- packing and pairing -------------------------------------------------------------------------
 
 def test_pairs_stay_whole_in_their_row_and_are_numbered_chosen_then_rejected():

@@ -204,3 +204,38 @@ def test_unknown_objectives_and_losses_are_named():
         build_pair_losses("dpo", x, x, chosen_tokens=n, rejected_tokens=n)
     with pytest.raises(ValueError, match="training.objective 'kto'"):
         build_pair_losses("kto", x, x, chosen_tokens=n, rejected_tokens=n)
+
+
+@pytest.mark.parametrize("rejected_sure", [False, True], ids=["chosen-sure", "both-sure"])
+@pytest.mark.parametrize("chunk_tokens", [None, 2], ids=["full", "chunked"])
+def test_orpo_on_a_one_token_answer_the_model_is_sure_of_has_finite_gradients(chunk_tokens, rejected_sure):
+    """A confident model gives a one-token answer probability 1 in fp32: a mean log-prob of
+    exactly 0, where ORPO's log(1 - p) is -inf. The gradient of every weight was NaN (and, with
+    the rejected answer as sure, the loss too)."""
+    torch.manual_seed(0)
+    dim, vocab = 8, 16
+    # One row: [prompt, chosen] then [prompt, rejected]; position 0 predicts the chosen token,
+    # position 2 the rejected one.
+    labels = torch.tensor([[IGNORE, 7, IGNORE, 9]])
+    segments = torch.tensor([[-1, 0, -1, 1]])
+    hidden = 0.1 * torch.randn(1, 4, dim)
+    weight = 0.1 * torch.randn(vocab, dim)
+    hidden[0, 0, 0], weight[7, 0] = 100.0, 10.0  # logit 1000 for the chosen token
+    if rejected_sure:
+        hidden[0, 2, 1], weight[9, 1] = 100.0, 10.0
+    hidden.requires_grad_(True)
+    weight.requires_grad_(True)
+    if chunk_tokens is None:
+        per_token = token_logps_from_logits(hidden @ weight.t(), labels)
+    else:
+        per_token = chunked_token_logps(hidden, weight, labels, chunk_tokens, torch.float32)
+    logps = sequence_logps(per_token, segments, 2)
+    assert float(logps[0]) == 0.0 and (float(logps[1]) == 0.0) == rejected_sure  # really sure, in fp32
+    tokens = sequence_tokens(segments, 2).float()
+    pair = build_pair_losses("orpo", logps[0::2], logps[1::2], chosen_tokens=tokens[0::2],
+                             rejected_tokens=tokens[1::2], orpo_lambda=0.1)
+    assert torch.isfinite(pair.losses).all()
+    pair.losses.sum().backward()
+    assert torch.isfinite(hidden.grad).all() and torch.isfinite(weight.grad).all()
+    if not rejected_sure:
+        assert float(hidden.grad[0, 2].abs().max()) > 0  # the unsure rejected answer still learns

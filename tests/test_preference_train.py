@@ -13,7 +13,7 @@ import tempfile
 import pytest
 
 from app.config import build_config
-from app.data.reference import ReferenceError, check_reference
+from app.data.reference import ReferenceLogpsError, check_reference
 from app.dev.tiny import add_chat_template, build_corpus, build_preference_corpus, build_tiny_model, \
     build_tiny_tokenizer, write_jsonl
 from app.observe.metrics import load_metrics
@@ -158,11 +158,11 @@ def test_a_dataset_without_the_models_reference_or_of_chat_records_is_refused_be
         build_tiny_model(tok, hidden_size=32).save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
         store.upload_dir(tmp, other, last=("config.json",))
-    with pytest.raises(ReferenceError, match=rf"^data.uri {DATA} holds reference log-probs of {MODEL} .* not of "
+    with pytest.raises(ReferenceLogpsError, match=rf"^data.uri {DATA} holds reference log-probs of {MODEL} .* not of "
                                               rf"model.uri {other} .*run `eft prepare`"):
         check_reference(make_cfg("x", model={"uri": other}), store, manifest)
     without = {k: v for k, v in manifest.items() if k != "reference"}
-    with pytest.raises(ReferenceError, match=r"has no reference log-probs .* run `eft prepare`"):
+    with pytest.raises(ReferenceLogpsError, match=r"has no reference log-probs .* run `eft prepare`"):
         check_reference(make_cfg("x"), store, without)
     chat_like = {**manifest, "source": {**manifest["source"], "format": "chat"}}
     from app.train.launch import check_objective_fits

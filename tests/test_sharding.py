@@ -54,11 +54,10 @@ def run_variant(cfg, model_dir: Path, rank: int, world: int) -> dict:
     import torch
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    from app.compat import compiled_graph_count, reset_compile_state
+    from app.compat import compiled_graph_count, is_compiled_module, reset_compile_state
     from app.dev.collectives import count_collectives
     from app.model.build import build_model, resolve_precision, trainable_parameters
-    from app.model.sharding import (all_reduce_gradients, forward_autocast_dtype, is_compiled,
-                                    replicated_parameters)
+    from app.model.sharding import all_reduce_gradients, forward_autocast_dtype, replicated_parameters
     from app.storage import Store
     from app.model.loss import loss_sum
     from app.train.loop import all_reduce_sum, grad_sync_context
@@ -97,7 +96,7 @@ def run_variant(cfg, model_dir: Path, rank: int, world: int) -> dict:
     # FSDP2 subclasses each block (FSDPLlamaDecoderLayer): match the block class in the MRO.
     blocks = [m for m in model.modules() if any(c is LlamaDecoderLayer for c in type(m).__mro__)]
     out["blocks"] = len(blocks)
-    out["blocks_compiled"] = sum(is_compiled(b) for b in blocks)
+    out["blocks_compiled"] = sum(is_compiled_module(b) for b in blocks)
     out["graphs"] = compiled_graph_count()
     return out
 

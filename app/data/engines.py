@@ -447,8 +447,10 @@ def check_chat_template(template: str, where: str) -> None:
                               add_generation_prompt=True)
     except jinja2.TemplateSyntaxError as err:
         raise PrepareError(f"{where}: not valid Jinja at line {err.lineno}: {err.message}") from None
-    except Exception:  # noqa: BLE001: it compiled; rendering this one sample is not the point
-        pass
+    except Exception as err:  # noqa: BLE001: it compiled; whether it takes this sample is not the point
+        # A template may refuse a lone user turn (one that wants a system turn first, say):
+        # each record's own rendering decides, and a refusal there is a counted skip.
+        log.debug("%s compiles but refuses a one-turn sample (%s: %s)", where, type(err).__name__, err)
 
 
 def read_chat_template(cfg: JobConfig, store: Store, tokenizer) -> Optional[str]:

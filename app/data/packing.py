@@ -87,15 +87,6 @@ def build_examples_flat(body: np.ndarray, body_lengths: np.ndarray, eos_id: int,
     return ids, labels, lengths
 
 
-def build_example(body_ids: Sequence[int], eos_id: int, bos_id: Optional[int] = None,
-                  prompt_ids: Optional[Sequence[int]] = None) -> tuple[np.ndarray, np.ndarray]:
-    """One document's token ids → (input_ids, labels)."""
-    body, body_len = flatten_token_lists([body_ids])
-    prompt, prompt_len = flatten_token_lists([prompt_ids]) if prompt_ids is not None else (None, None)
-    ids, labels, _ = build_examples_flat(body, body_len, eos_id, bos_id, prompt, prompt_len)
-    return ids, labels
-
-
 def encode_texts(tokenizer, texts: list[str]) -> list[list[int]]:
     """Body tokens only. A literal "</s>" in raw text stays text: letting data inject special
     tokens would fake document boundaries inside a packed row."""
@@ -123,11 +114,6 @@ def encode_documents(encode: Callable[[list[str]], list[list[int]]], docs: Seque
             prompt_lists[i] = ids
         prompt, prompt_len = flatten_token_lists(prompt_lists)
     return build_examples_flat(body, body_len, eos_id, bos_id, prompt, prompt_len)
-
-
-def tokenize_document(tokenizer, doc: Document) -> tuple[np.ndarray, np.ndarray]:
-    ids, labels, _ = tokenize_documents(tokenizer, [doc])
-    return ids, labels
 
 
 # -- packing --------------------------------------------------------------------------

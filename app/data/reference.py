@@ -7,7 +7,7 @@ workers have them): every packed row gets `ref_logps`, the summed log-prob of ea
 documents' completion tokens (chosen, rejected, chosen, ...) under the reference model, the same
 per-sequence sums training takes of the policy (app/model/preference.py). The scored shard is
 written whole, with that column, to `<data.uri>/reference-<key>/`, the key naming the dataset's
-shards and the reference model (its URI, config and weight files). The manifest's `reference`
+shards and the reference model (its URI, config and weight files' contents). The manifest's `reference`
 entry, written last, is the commit; a shard already written under the key is not scored again, so
 a pre-empted pass resumes where it stopped.
 """
@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 
 from app.config import JobConfig
 from app.data.manifest import commit_manifest, load_manifest
-from app.storage import Store, join
+from app.storage import Store, boto3_config, is_s3, join, s3_endpoint
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ REFERENCE_PREFIX = "reference-"
 WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json")
 
 
-class ReferenceError(RuntimeError):
+class ReferenceLogpsError(RuntimeError):
     """The dataset's reference log-probs are missing or for another model: one line."""
 
 
@@ -45,12 +45,51 @@ def needs_reference(cfg: JobConfig) -> bool:
 
 def reference_identity(store: Store, model_uri: str) -> dict:
     """The reference model as the stored log-probs name it: its URI and a fingerprint of its
-    config and weight files (names and sizes), so a model replaced at the same URI is told apart."""
+    config and of its weight files' contents, so a model replaced at the same URI is told apart.
+    Names and sizes were not enough: a fine-tune written over its base has the same sizes, and
+    the base's stale log-probs were reused."""
     digest = hashlib.sha256(store.read_bytes(join(model_uri, "config.json")))
-    for name, size in sorted(store.list_file_sizes(model_uri).items()):
-        if name.endswith(WEIGHT_SUFFIXES):
-            digest.update(f"{name}:{size}".encode())
+    for name, version in sorted(list_weight_versions(store, model_uri).items()):
+        digest.update(f"{name}:{version}\n".encode())
     return {"uri": model_uri, "fingerprint": digest.hexdigest()}
+
+
+def list_weight_versions(store: Store, model_uri: str) -> dict[str, str]:
+    """{weight file: what its content is}: on S3 the object's ETag, from the listing (an MD5 of
+    the content, or of its parts for a multipart upload: a re-upload in other parts differs too,
+    which only costs a needless re-scoring); on a filesystem the sha256 of the file, as no
+    listing there says more than sizes and times."""
+    if is_s3(model_uri):
+        return list_s3_etags(store, model_uri, WEIGHT_SUFFIXES)
+    _, root = store.resolve(model_uri)
+    versions = {}
+    for name in store.list_files(model_uri):
+        if name.endswith(WEIGHT_SUFFIXES):
+            digest = hashlib.sha256()
+            with open(os.path.join(root, name), "rb") as f:
+                for chunk in iter(lambda: f.read(8 << 20), b""):
+                    digest.update(chunk)
+            versions[name] = digest.hexdigest()
+    return versions
+
+
+def list_s3_etags(store: Store, uri: str, suffixes: tuple[str, ...]) -> dict[str, str]:
+    """{path under `uri`: ETag} of the objects whose names end in `suffixes`. app.storage lists
+    through pyarrow, whose file infos carry no ETag: this lists through boto3 with the store's
+    endpoint, region and retry settings."""
+    import boto3
+
+    bucket, _, key = uri[len("s3://"):].partition("/")
+    prefix = key.strip("/") + "/" if key.strip("/") else ""
+    client = boto3.client("s3", endpoint_url=s3_endpoint(store.endpoint), region_name=store.region,
+                          config=boto3_config())
+    found = {}
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        for item in page.get("Contents", []):
+            name = item["Key"][len(prefix):]
+            if name.endswith(suffixes):
+                found[name] = item["ETag"]
+    return found
 
 
 def reference_key(manifest: dict, identity: dict) -> str:
@@ -65,13 +104,19 @@ def check_reference(cfg: JobConfig, store: Store, manifest: dict) -> None:
         return
     stored = manifest.get("reference")
     if stored is None:
-        raise ReferenceError(f"data.uri {cfg.data.uri} has no reference log-probs for preference.reference "
-                             f"precomputed: run `eft prepare` on this config (training.objective dpo) to compute them")
+        raise ReferenceLogpsError(f"data.uri {cfg.data.uri} has no reference log-probs for preference.reference "
+                                  f"precomputed: run `eft prepare` on this config (training.objective dpo) to "
+                                  f"compute them")
     identity = reference_identity(store, cfg.model.uri)
     if stored["model"] != identity:
-        raise ReferenceError(f"data.uri {cfg.data.uri} holds reference log-probs of {stored['model']['uri']} "
-                             f"(fingerprint {stored['model']['fingerprint'][:12]}), not of model.uri {cfg.model.uri} "
-                             f"({identity['fingerprint'][:12]}): run `eft prepare` on this config to compute them")
+        theirs = stored["model"]
+        of = (f"the model that was at model.uri {cfg.model.uri} then (fingerprint {theirs['fingerprint'][:12]}; its "
+              f"config or weights have changed since: {identity['fingerprint'][:12]})"
+              if theirs["uri"] == cfg.model.uri else
+              f"{theirs['uri']} (fingerprint {theirs['fingerprint'][:12]}), not of model.uri {cfg.model.uri} "
+              f"({identity['fingerprint'][:12]})")
+        raise ReferenceLogpsError(f"data.uri {cfg.data.uri} holds reference log-probs of {of}: run `eft prepare` on "
+                                  f"this config to compute them")
 
 
 class ScoreReference:
@@ -147,8 +192,8 @@ def add_reference(cfg: JobConfig, store: Store, lease=None) -> dict:
         log.info("prepare: %s already has reference log-probs of %s", cfg.data.uri, cfg.model.uri)
         return manifest
     if manifest["source"].get("format") != "preference":
-        raise ReferenceError(f"data.uri {cfg.data.uri} was prepared as {manifest['source'].get('format')!r}, not "
-                             f"preference pairs: set prepare.format: preference and prepare it again")
+        raise ReferenceLogpsError(f"data.uri {cfg.data.uri} was prepared as {manifest['source'].get('format')!r}, "
+                                  f"not preference pairs: set prepare.format: preference and prepare it again")
     key = reference_key(manifest, identity)
     prefix = f"{REFERENCE_PREFIX}{key}"
     items, layout = [], {}

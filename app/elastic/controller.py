@@ -178,7 +178,8 @@ def build_refresh_callback():
             if self.events is not None:
                 try:
                     capacity = live_worker_capacity(self.resources_per_worker)
-                except Exception:
+                except Exception as err:  # a count for the event only: it must not stop a start
+                    log.debug("live worker capacity unknown (%s: %s)", type(err).__name__, err)
                     capacity = None
                 self.events.record("worker_group_launch", num_workers=num_workers, live_capacity=capacity,
                                    max_workers=scaling_config.max_workers)
@@ -312,7 +313,8 @@ class NodeWatcher:
         while not self._stop.wait(self.interval_s):
             try:
                 now = live_node_ids()
-            except Exception:  # the GCS may be briefly unreachable; try again next tick
+            except Exception as err:  # the GCS may be briefly unreachable; try again next tick
+                log.debug("node watcher: no node list this tick (%s: %s)", type(err).__name__, err)
                 continue
             if now != known:
                 log.info("cluster nodes changed (%d → %d live); refreshing Ray Train's view",

@@ -243,7 +243,8 @@ def build_preemption_watcher(store, run_uri: str, rank: int, device, state_bytes
     def node_alive(node_id: str) -> bool:
         try:
             return any(n["NodeID"] == node_id and n.get("Alive") for n in ray.nodes())
-        except Exception:  # the GCS briefly unreachable: keep waiting, the deadline bounds it
+        except Exception as err:  # the GCS briefly unreachable: keep waiting, the deadline bounds it
+            log.debug("node %s: liveness unknown (%s: %s); taken as alive", node_id[:12], type(err).__name__, err)
             return True
 
     return PreemptionWatcher(get_info=ray.train.get_preemption_info, agree=agree, record=record,

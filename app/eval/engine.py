@@ -55,15 +55,21 @@ def load_eval_model(store: Store, source: dict, device):
     return model.to(device).eval()
 
 
-def continuation_logprob(logp, ids, context_len: int, length: int) -> float:
-    """Sum of log p(ids[t] | ids[:t]) over the continuation t in [context_len, context_len + length):
-    the token at t is scored by the logits at position t - 1. `logp` is one sequence's [T, V]
-    log-softmax."""
+def sum_continuation_logprobs(logits, ids, spans: list[tuple[int, int, int]]) -> list[float]:
+    """Each span's (row, context_len, length) summed log p(ids[row, t] | ids[row, :t]) over the
+    continuation t in [context_len, context_len + length): the token at t is scored by the logits
+    at position t - 1. `logits` [rows, T, V] and `ids` [rows, T] on one device; the log-softmax
+    and the gather run there, on the continuation's positions only, and one number per span
+    comes to the host. (Moving each choice's whole [T, V] log-softmax to the CPU cost a copy of
+    the sequence's logits per choice.)"""
     import torch
 
-    positions = torch.arange(context_len - 1, context_len + length - 1)
-    targets = torch.as_tensor(ids[context_len:context_len + length], dtype=torch.long)
-    return float(logp[positions, targets].double().sum())
+    sums = []
+    for row, context_len, length in spans:
+        logp = logits[row, context_len - 1:context_len + length - 1].float().log_softmax(-1)
+        targets = ids[row, context_len:context_len + length]
+        sums.append(logp.gather(-1, targets[:, None]).double().sum())
+    return torch.stack(sums).cpu().tolist() if sums else []
 
 
 class ScoreEval:
@@ -123,17 +129,16 @@ class ScoreEval:
             ids[i, :len(seq)] = seq
             mask[i, :len(seq)] = 1
         with torch.no_grad():
-            logits = self.model(input_ids=torch.as_tensor(ids, device=self.device),
+            ids_on_device = torch.as_tensor(ids, device=self.device)
+            logits = self.model(input_ids=ids_on_device,
                                 attention_mask=torch.as_tensor(mask, device=self.device)).logits
+            sums = sum_continuation_logprobs(logits, ids_on_device, spans)
         results, at = [], 0
         for r in rows:
-            logprobs = []
-            for choice in r["choice_ids"]:
-                row, context_len, length = spans[at]
-                at += 1
-                logp = logits[row].float().log_softmax(-1).cpu()
-                logprobs.append(continuation_logprob(logp, seqs[row], context_len, length))
-            results.append({"index": r["index"], "output_ids": None, "stopped": None, "choice_logprobs": logprobs})
+            count = len(r["choice_ids"])
+            results.append({"index": r["index"], "output_ids": None, "stopped": None,
+                            "choice_logprobs": sums[at:at + count]})
+            at += count
         return results
 
 

@@ -15,6 +15,7 @@ an assistant reply in the rendering, e.g. `<|im_end|>` or `<|eot_id|>`).
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import numpy as np
@@ -22,6 +23,8 @@ import numpy as np
 from app.data.chat import ChatFormat
 from app.data.packing import encode_texts
 from app.eval.sets import EvalRecord
+
+log = logging.getLogger("eft.eval")
 
 CHAT_FORMATS = ("chat", "sharegpt", "preference")
 PROBE = "\x1fEFT_REPLY\x1f"
@@ -77,7 +80,11 @@ class PromptRenderer:
             try:
                 text = self.chat.render_text([{"role": "user", "content": "ping"},
                                               {"role": "assistant", "content": PROBE}])[0]
-            except Exception:  # noqa: BLE001: a template that refuses the probe has no marker to find
+            except Exception as err:  # noqa: BLE001: a template that refuses the probe has no marker to find
+                # Generation then stops only at EOS or eval.max_new_tokens: say so, or a run of
+                # over-long answers has no visible cause.
+                log.warning("eval: the chat template refuses a probe conversation (%s: %s); generation stops "
+                            "at EOS only, not at an end-of-turn token", type(err).__name__, str(err)[:120])
                 text = ""
             if PROBE in text:
                 after = text.split(PROBE, 1)[1]

@@ -100,6 +100,10 @@ def build_record(raw: Any, index: int, where: str) -> Union[EvalRecord, Skip]:
     answers = [answer] if isinstance(answer, str) else answer
     if not isinstance(answers, list) or not answers or not all(isinstance(a, str) for a in answers):
         return Skip("answer is not a string or a list of strings")
+    if any(not a.strip() for a in answers):
+        # An empty (or blank) accepted answer is in every prediction: `contains` would score the
+        # record right whatever the model says.
+        return Skip("an answer is empty")
     record.answers = list(answers)
     return record
 

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from app.batch import IGNORE_INDEX as IGNORE
+from app.config import OBJECTIVE_DEFAULTS
 
 OBJECTIVES = ("dpo", "simpo", "orpo")
 DPO_LOSSES = ("sigmoid", "ipo")
@@ -159,10 +160,12 @@ class PairLosses(NamedTuple):
 
 def build_pair_losses(objective: str, chosen: torch.Tensor, rejected: torch.Tensor, *, chosen_tokens: torch.Tensor,
                       rejected_tokens: torch.Tensor, ref_chosen: Optional[torch.Tensor] = None,
-                      ref_rejected: Optional[torch.Tensor] = None, beta: float = 0.1, loss: str = "sigmoid",
-                      label_smoothing: float = 0.0, simpo_gamma: float = 0.5,
-                      orpo_lambda: float = 0.1) -> PairLosses:
+                      ref_rejected: Optional[torch.Tensor] = None, beta: Optional[float] = None,
+                      loss: str = "sigmoid", label_smoothing: float = 0.0, simpo_gamma: Optional[float] = None,
+                      orpo_lambda: Optional[float] = None) -> PairLosses:
     """Per-pair losses from summed completion log-probs ([pairs] each) and completion lengths.
+    `beta`, `simpo_gamma` and `orpo_lambda` left None take the objective's defaults, the config's
+    (app.config.OBJECTIVE_DEFAULTS).
 
     - dpo, sigmoid: -log σ(β((π_c - ref_c) - (π_r - ref_r))), with conservative label smoothing;
     - dpo, ipo: ((π_c - ref_c) - (π_r - ref_r) - 1/(2β))², on length-averaged log-probs (as TRL);
@@ -170,6 +173,10 @@ def build_pair_losses(objective: str, chosen: torch.Tensor, rejected: torch.Tens
     - orpo: mean NLL of the chosen completion - λ log σ(log odds_c - log odds_r), where
       odds = p / (1 - p) of the length-averaged log-prob p, no reference.
     """
+    if objective not in OBJECTIVES:
+        raise ValueError(f"training.objective {objective!r}: one of sft, {', '.join(OBJECTIVES)}")
+    defaults = OBJECTIVE_DEFAULTS[objective]
+    beta = defaults["beta"] if beta is None else beta
     if objective == "dpo":
         if ref_chosen is None or ref_rejected is None:
             raise ValueError("training.objective dpo needs the reference log-probs")
@@ -186,19 +193,27 @@ def build_pair_losses(objective: str, chosen: torch.Tensor, rejected: torch.Tens
         return PairLosses(losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach())
     avg_chosen, avg_rejected = chosen / chosen_tokens, rejected / rejected_tokens
     if objective == "simpo":
-        logits = beta * (avg_chosen - avg_rejected) - simpo_gamma
+        gamma = defaults["simpo_gamma"] if simpo_gamma is None else simpo_gamma
+        logits = beta * (avg_chosen - avg_rejected) - gamma
         losses = -F.logsigmoid(logits) * (1 - label_smoothing) - F.logsigmoid(-logits) * label_smoothing
-    elif objective == "orpo":
+    else:
+        lam = defaults["orpo_lambda"] if orpo_lambda is None else orpo_lambda
         # log(p / (1 - p)) with log p = avg: avg - log(1 - exp(avg)), stable for avg near 0.
         log_odds = (avg_chosen - avg_rejected) - (log1mexp(avg_chosen) - log1mexp(avg_rejected))
-        losses = -avg_chosen - orpo_lambda * F.logsigmoid(log_odds)
-    else:
-        raise ValueError(f"training.objective {objective!r}: one of sft, {', '.join(OBJECTIVES)}")
+        losses = -avg_chosen - lam * F.logsigmoid(log_odds)
     return PairLosses(losses, beta * avg_chosen.detach(), beta * avg_rejected.detach())
 
 
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
-    """log(1 - exp(x)) for x < 0, accurate at both ends (Mächler 2012)."""
+    """log(1 - exp(x)) for x < 0, accurate at both ends (Mächler 2012).
+
+    A completion the model is sure of has a mean log-prob of exactly 0 (a one-token answer at
+    probability 1 in fp32), where log(1 - exp(0)) is -inf and its gradient, through either branch
+    of the `where`, is inf times 0: NaN in every weight. x is clamped to at most -eps of its dtype
+    first: 1 - p below eps is finer than the dtype tells p from 1, and the gradient, 1/x near 0,
+    stays below 1/eps instead of overflowing. The clamp passes no gradient to a log-prob above
+    it, which cannot rise any further."""
+    x = x.clamp(max=-torch.finfo(x.dtype).eps)
     return torch.where(x > -math.log(2.0), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
 
 

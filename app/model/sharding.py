@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from app.compat import foreach_copy_, is_compiled_module
+from app.compat import foreach_copy_
 
 # inductor needs a C++ (CPU) or Triton (GPU) toolchain and minutes of compile on a small CPU box; the
 # CPU tests run the same wiring (dynamo + AOTAutograd) on "aot_eager" by setting this in-process.
@@ -33,10 +33,6 @@ def apply_compile(blocks: Iterable[nn.Module], backend: Optional[str] = None) ->
     checkpointing and before FSDP2 / DDP, the order torchtitan uses."""
     for block in blocks:
         block.compile(backend=backend or COMPILE_BACKEND)
-
-
-def is_compiled(module: nn.Module) -> bool:
-    return is_compiled_module(module)
 
 
 def adapters_to_replicate(cfg, model: nn.Module) -> frozenset:
