@@ -480,15 +480,12 @@ class Store:
         elif fs.get_file_info(path).type == pafs.FileType.File:
             fs.delete_file(path)
 
-    def upload_dir(self, local_dir: str | Path, uri: str, last: tuple[str, ...] = (),
-                   skip: tuple[str, ...] = ()) -> None:
+    def upload_dir(self, local_dir: str | Path, uri: str, last: tuple[str, ...] = ()) -> None:
         """Upload a local tree; the files named in `last` go up after everything else, so a
-        reader that keys on them (a manifest, a config.json) never sees a partial tree. Files
-        named in `skip` stay behind (their caller commits them itself, after a check)."""
+        reader that keys on them (a manifest, a config.json) never sees a partial tree."""
         fs, path = self.resolve(uri)
         local_dir = Path(local_dir)
-        files = sorted(p for p in local_dir.rglob("*")
-                       if p.is_file() and p.relative_to(local_dir).as_posix() not in skip)
+        files = sorted(p for p in local_dir.rglob("*") if p.is_file())
         files.sort(key=lambda p: p.relative_to(local_dir).as_posix() in last)
         local = pafs.LocalFileSystem()
         if not isinstance(fs, pafs.LocalFileSystem):

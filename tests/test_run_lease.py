@@ -193,24 +193,27 @@ def test_a_slow_renewal_counts_the_lease_from_before_its_write(tmp_path):
     lease.stop()
 
 
-def save_local_checkpoint(directory, step: int, epoch: int):
+def save_local_checkpoint(directory, step: int, epoch: int) -> dict:
     """What one rank-0 save leaves on local disk (app.elastic.checkpoint.save, without torch):
-    the DCP files, train_state.json and the sidecar, which names the lease epoch."""
-    from app.elastic.checkpoint import DCP_METADATA, TRAIN_STATE, build_sidecar, list_local_files, write_sidecar
+    the DCP files and train_state.json, and beside them the sidecar, which names the lease
+    epoch. Returns commit_checkpoint's arguments for them."""
+    from app.elastic.checkpoint import DCP_METADATA, TRAIN_STATE, build_sidecar, list_local_files
 
     directory.mkdir(parents=True)
     (directory / DCP_METADATA).write_bytes(b"m" * 32)
     (directory / "__0_0.distcp").write_bytes(bytes([step]) * 4096)
     (directory / TRAIN_STATE).write_text(json.dumps({"step": step, "rows_consumed": 4 * step}))
     sidecar = build_sidecar(list_local_files(directory), step=step, world_size=1)
-    write_sidecar(directory, {**sidecar, "lease_epoch": epoch})
-    return directory
+    beside = directory.parent / f"{directory.name}.checkpoint.json"
+    beside.write_text(json.dumps({**sidecar, "lease_epoch": epoch}))
+    return {"local_dir": directory, "sidecar": beside}
 
 
 class HeldUploads(Store):
     """A store that holds back one part of a checkpoint's commit until `release` is set, as an
     upload slower than its driver's hold on the run would: `hold="files"`, the rank's files
-    (the upload itself); `hold="sidecar"`, the sidecar's write, after the lease check passed."""
+    (the upload itself: held as it resolves where they go); `hold="sidecar"`, the sidecar's
+    write, after the lease check passed."""
 
     def __init__(self, hold: str):
         super().__init__()
@@ -220,10 +223,10 @@ class HeldUploads(Store):
         self.reached.set()
         assert self.release.wait(60)
 
-    def upload_dir(self, *args, **kwargs):
-        if self.hold == "files":
+    def resolve(self, uri):
+        if self.hold == "files" and uri.rstrip("/").rsplit("/", 1)[1].startswith("checkpoint-"):
             self._wait()
-        return super().upload_dir(*args, **kwargs)
+        return super().resolve(uri)
 
     def write_bytes(self, uri, data):
         if self.hold == "sidecar" and uri.endswith("/checkpoint.json"):
@@ -248,14 +251,15 @@ def test_a_paused_drivers_upload_that_lands_after_a_takeover_is_never_resumed_fr
     a = build_run_lease(store, run_uri, ttl_s=2)
     a.take()  # and never renewed: its driver is paused
     fence_a = Fence.from_dict(a.fence().to_dict())  # as A's workers carry it
-    commit_checkpoint(store, save_local_checkpoint(tmp_path / "a2", 2, epoch=1), ckpt(2), fence_a)
+    commit_checkpoint(store, ckpt_uri=ckpt(2), fence=fence_a, **save_local_checkpoint(tmp_path / "a2", 2, epoch=1))
 
     slow_files, slow_sidecar = HeldUploads("files"), HeldUploads("sidecar")
     outcome: dict = {}
 
     def upload(name, held_store, step):
         try:
-            commit_checkpoint(held_store, save_local_checkpoint(tmp_path / name, step, epoch=1), ckpt(step), fence_a)
+            commit_checkpoint(held_store, ckpt_uri=ckpt(step), fence=fence_a,
+                              **save_local_checkpoint(tmp_path / name, step, epoch=1))
             outcome[name] = "committed"
         except LeaseError as err:
             outcome[name] = str(err)
@@ -288,7 +292,7 @@ def test_a_paused_drivers_upload_that_lands_after_a_takeover_is_never_resumed_fr
     assert choose_resume_checkpoint(store, run_uri, registered) == ("storage", ckpt(2))
 
     # B trains on from step 2 and commits step 4 (over A's leftovers); then C takes over.
-    commit_checkpoint(store, save_local_checkpoint(tmp_path / "b4", 4, epoch=2), ckpt(4), b.fence())
+    commit_checkpoint(store, ckpt_uri=ckpt(4), fence=b.fence(), **save_local_checkpoint(tmp_path / "b4", 4, epoch=2))
     assert choose_resume_checkpoint(store, run_uri, registered) == ("storage", ckpt(4))
     b.stop()
     c = build_run_lease(store, run_uri).start()

@@ -10,8 +10,9 @@ through Ray Train, which merges the ranks' files into one directory):
 For LoRA the model entry holds the adapters only: the frozen base is reloaded from its URI.
 
 The sidecar is the commit. Each rank uploads its own files (`commit_checkpoint`, Ray Train's
-upload hook, in the background with checkpoint.async_upload); rank 0 then checks the run lease
-(app.lease.Fence) and only then puts the sidecar up, so an upload that outlived its driver's
+upload hook, in the background with checkpoint.async_upload); rank 0 keeps the sidecar out of
+the directory that goes up, then checks the run lease (app.lease.Fence) and only then puts the
+sidecar up, so an upload that outlived its driver's
 hold on the run (a paused driver, taken over meanwhile) is never completed. The check is a read
 before a write, so a takeover landing between the two still lets one sidecar through: on
 resume, a checkpoint whose sidecar names an epoch older than one that had already begun when
@@ -226,20 +227,26 @@ def build_app_state(model, optimizer, lora: bool) -> dict:
             "optim": get_optimizer_state_dict(model, optimizer, options=opts)}
 
 
-def commit_checkpoint(store: Store, local_dir: Path, ckpt_uri: str, fence: Optional[Fence] = None) -> None:
-    """One rank's part of a checkpoint into storage: every file but the sidecar, then (rank 0
-    alone has one) the run lease checked and the sidecar, the commit. The check comes after
+def commit_checkpoint(store: Store, local_dir: Path, ckpt_uri: str, fence: Optional[Fence] = None,
+                      sidecar: Optional[Path] = None) -> None:
+    """One rank's part of a checkpoint into storage: its directory, copied as Ray Train's own
+    upload copies it; then, for rank 0 (`sidecar`: the sidecar's local file, kept outside the
+    directory), the run lease checked and the sidecar put up, the commit. The check comes after
     the upload, not only before the save: with checkpoint.async_upload the upload runs in the
     background for as long as it takes, and the driver may lose the run meanwhile. A lost lease
     raises LeaseError and leaves the sidecar behind: what went up is an incomplete checkpoint."""
-    local = Path(local_dir)
-    store.upload_dir(local, ckpt_uri, skip=(SIDECAR,))
-    sidecar = local / SIDECAR
-    if not sidecar.is_file():
+    import pyarrow.fs as pafs
+
+    from app.compat import copy_checkpoint_files
+
+    fs, path = store.resolve(ckpt_uri)
+    fs.create_dir(path, recursive=True)
+    copy_checkpoint_files(str(local_dir), path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+    if sidecar is None:
         return
     if fence is not None:
         fence.check(store)
-    store.write_bytes(join(ckpt_uri, SIDECAR), sidecar.read_bytes())
+    store.write_bytes(join(ckpt_uri, SIDECAR), Path(sidecar).read_bytes())
 
 
 def save(cfg, store: Store, model, optimizer, *, step: int, rows_consumed: int, world_size: int,
@@ -269,18 +276,24 @@ def save(cfg, store: Store, model, optimizer, *, step: int, rows_consumed: int, 
             "lora": cfg.lora is not None, "dataset": lineage.get("dataset"), "saved_at": time.time(),
         }, indent=2))
     files = gather_file_sizes(local, step)
+    sidecar_file = None
     if rank == 0:
         sidecar = build_sidecar(files, step=step, world_size=world_size, lineage=lineage)
         if fence is not None:
             sidecar["lease_epoch"] = fence.epoch
-        write_sidecar(local, sidecar)
+        # Beside the directory, not in it: the directory goes up first, the sidecar last.
+        sidecar_file = local.parent / f"{local.name}.{SIDECAR}"
+        sidecar_file.write_text(json.dumps(sidecar, indent=2) + "\n")
     mode = CheckpointUploadMode.ASYNC if cfg.checkpoint.async_upload and not wait_for_upload else CheckpointUploadMode.SYNC
 
     def upload(checkpoint, dir_name: str):
         # Ray Train's documented upload hook (in its upload thread when ASYNC): the same copy its
-        # own does, into the same directory, with the lease checked before the sidecar.
+        # own does, into the same directory, with the lease checked before the sidecar. Ray
+        # retries a failed upload, so the sidecar's file goes only once it is up.
         ckpt_uri = join(cfg.run_uri, dir_name)
-        commit_checkpoint(store, Path(checkpoint.path), ckpt_uri, fence)
+        commit_checkpoint(store, Path(checkpoint.path), ckpt_uri, fence, sidecar=sidecar_file)
+        if sidecar_file is not None:
+            sidecar_file.unlink(missing_ok=True)
         fs, path = store.resolve(ckpt_uri)
         return Checkpoint(path, filesystem=fs)
 
