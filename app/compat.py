@@ -245,6 +245,19 @@ def patch_checkpoint_copy(wrap: Callable[[Callable], Callable]) -> Callable[[], 
     return lambda: setattr(module, RAY_CHECKPOINT_COPY[1], original)
 
 
+@shim("ray", ".".join(RAY_CHECKPOINT_COPY),
+      "pyarrow.fs.copy_files, without Ray's settings for uploads into S3 (no threads: apache/arrow#32372; "
+      "64 MiB chunks)", "ray 2.60.0")
+def copy_checkpoint_files(source: str, destination: str, source_filesystem, destination_filesystem) -> None:
+    """Copy a checkpoint directory into storage as Ray Train's own upload does. eft uploads
+    checkpoints itself (app.elastic.checkpoint.commit_checkpoint, Ray Train's upload hook) and
+    copies through Ray's function, looked up at each call, so `patch_checkpoint_copy` reaches
+    eft's uploads as well."""
+    module = importlib.import_module(RAY_CHECKPOINT_COPY[0])
+    getattr(module, RAY_CHECKPOINT_COPY[1])(source, destination, source_filesystem=source_filesystem,
+                                            destination_filesystem=destination_filesystem)
+
+
 # -- torch -----------------------------------------------------------------------------------
 
 

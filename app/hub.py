@@ -4,7 +4,14 @@ The driver resolves the revision (branch, tag or sha; `main` by default) to a co
 mirrors the files a run needs, once, to `<model.mirror_uri>/<org>/<name>/<sha>/`. Every later
 run, every node and every restart reads that mirror through the ranged per-rank loader: the hub
 is contacted by one process, never by a thousand workers. The mirror's marker (`MARKER`) is
-written last, so a mirror cut off halfway is never used; it is redone.
+written last, so a mirror cut off halfway is never used; it is redone. Only a missing marker
+means "no mirror": a read of it that fails otherwise is retried, then is one line, never a
+full download.
+
+The hub is an endpoint like any other (HF_ENDPOINT may name a mirror of it), so what it answers
+is checked before it is used: the commit sha, which becomes part of a storage path, must be 40
+lowercase hex characters; every mirrored file must have the size the hub listed, and the
+sha256 of its LFS entry where the listing gives one, or the mirror is not marked complete.
 
 A revision that is already a sha, with its mirror complete, costs no request at all: that is how
 a cluster without internet is fed (`eft model pull` elsewhere, then `hf://org/name@<sha>` or the
@@ -20,6 +27,8 @@ to the hub, and never written: not to the config, the mirror, the marker or a lo
 from __future__ import annotations
 
 import fnmatch
+import hashlib
+import json
 import logging
 import os
 import re
@@ -28,14 +37,14 @@ from dataclasses import dataclass
 from typing import Optional
 from urllib.parse import urlparse
 
-from app.storage import Store, StorageError, join
+from app.storage import READ_ATTEMPTS, ObjectNotFound, Store, StorageError, join
 
 log = logging.getLogger("eft.hub")
 
 SCHEME = "hf://"
 DEFAULT_ENDPOINT = "https://huggingface.co"
 MARKER = "eft-mirror.json"
-SHA = re.compile(r"^[0-9a-f]{40}$")
+SHA = re.compile(r"[0-9a-f]{40}")  # always fullmatch: `$` would let a trailing newline through
 REPO_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 # What a run, prepare, export, eval and serve read from a model dir. Weights: safetensors and
 # their index; pickled weights only with model.allow_pickle_weights.
@@ -112,15 +121,34 @@ def mirror_uri_of(mirror_root: str, ref: HubRef, sha: str) -> str:
     return join(mirror_root, ref.org, ref.name, sha)
 
 
+def is_sha(text) -> bool:
+    return isinstance(text, str) and SHA.fullmatch(text) is not None
+
+
 def load_marker(store: Store, mirror_uri: str) -> Optional[dict]:
-    """The completion marker of a mirror, or None: a mirror without one is incomplete."""
+    """The completion marker of a mirror, or None: a mirror without one is incomplete.
+
+    None only when the marker is missing. Reading it is retried as a training read is, even on
+    an interactive Store: its absence starts a full download (or a request to a hub that may be
+    out of reach), so a storage blip must not pass for it. A read that still fails is one line."""
     uri = join(mirror_uri, MARKER)
     try:
-        if not store.exists(uri):
-            return None
-        return store.read_json(uri)
-    except StorageError:
+        data = store.read_bytes(uri, attempts=READ_ATTEMPTS)
+    except ObjectNotFound:
         return None
+    except (StorageError, OSError) as err:
+        raise StorageError(f"{uri}: the mirror's marker could not be read ({type(err).__name__}: "
+                           f"{str(err).splitlines()[0] if str(err) else ''}); not mirroring again over a blip: "
+                           f"try again once storage answers") from None
+    try:
+        marker = json.loads(data)
+    except ValueError:
+        marker = None
+    if not isinstance(marker, dict):
+        # Not written by eft (ours is one PUT, never torn): the mirror is redone, which replaces it.
+        log.warning("%s is not a mirror marker (not a JSON object): the mirror counts as incomplete", uri)
+        return None
+    return marker
 
 
 def _api(endpoint: str, token: Optional[str]):
@@ -162,24 +190,28 @@ def _explain(err: Exception, ref: HubRef, endpoint: str, mirror_root: str) -> Hu
 
 
 def resolve_revision(ref: HubRef, endpoint: str, token: Optional[str], mirror_root: str) -> tuple[str, list]:
-    """(commit sha, [(file name, size)]) of the revision: one API call."""
+    """(commit sha, [(file name, size, LFS sha256 or None)]) of the revision: one API call. The
+    sha becomes part of a storage path, so anything but 40 lowercase hex characters is refused."""
     try:
         info = _api(endpoint, token).model_info(ref.repo_id, revision=ref.revision, files_metadata=True,
                                                 timeout=CONNECT_TIMEOUT_S)
     except Exception as err:  # every failure is one line, naming the repo and the endpoint
         raise _explain(err, ref, endpoint, mirror_root) from None
-    files = [(s.rfilename, s.size) for s in (info.siblings or [])]
+    if not is_sha(info.sha):
+        raise HubError(f"hf://{ref.repo_id}@{ref.revision}: the hub at {shown_endpoint(endpoint)} answered "
+                       f"{str(info.sha)[:80]!r} as the commit, not a 40-character lowercase hex sha; nothing mirrored")
+    files = [(s.rfilename, s.size, getattr(s.lfs, "sha256", None)) for s in (info.siblings or [])]
     return info.sha, files
 
 
 def select_files(ref: HubRef, files: list, allow_pickle: bool) -> list:
     """The files of the repo a run needs; HubError when it has no weights eft may load."""
     def matching(patterns):
-        return [(name, size) for name, size in files if "/" not in name
-                and any(fnmatch.fnmatch(name, p) for p in patterns)]
+        return [entry for entry in files if "/" not in entry[0]
+                and any(fnmatch.fnmatch(entry[0], p) for p in patterns)]
 
     needed = matching(NEEDED)
-    names = {n for n, _ in needed}
+    names = {entry[0] for entry in needed}
     if "config.json" not in names:
         raise HubError(f"hf://{ref.repo_id}@{ref.revision}: no config.json: not a transformers model repo")
     if any(n.endswith(".safetensors") for n in names):
@@ -189,10 +221,10 @@ def select_files(ref: HubRef, files: list, allow_pickle: bool) -> list:
         raise HubError(f"hf://{ref.repo_id}@{ref.revision}: no safetensors weights")
     if not allow_pickle:
         raise HubError(f"hf://{ref.repo_id}@{ref.revision} has only pickled weights "
-                       f"({', '.join(sorted(n for n, _ in pickled))}): loading a pickle runs code; set "
+                       f"({', '.join(sorted(e[0] for e in pickled))}): loading a pickle runs code; set "
                        f"model.allow_pickle_weights: true to trust this repo anyway")
     log.warning("hf://%s@%s: pickled weights (%s) mirrored because model.allow_pickle_weights is true: loading them "
-                "runs whatever code they hold", ref.repo_id, ref.revision, ", ".join(sorted(n for n, _ in pickled)))
+                "runs whatever code they hold", ref.repo_id, ref.revision, ", ".join(sorted(e[0] for e in pickled)))
     return needed + pickled
 
 
@@ -205,18 +237,27 @@ def _download_chunks(url: str, headers: dict):
         yield from response.iter_bytes(CHUNK_BYTES)
 
 
+def _hashed(chunks, digest):
+    for chunk in chunks:
+        digest.update(chunk)
+        yield chunk
+
+
 def copy_file(store: Store, ref: HubRef, sha: str, name: str, dest: str, endpoint: str,
-              token: Optional[str]) -> int:
+              token: Optional[str]) -> tuple[int, str]:
     """One file of the repo at `sha`, streamed into storage (a multipart upload on S3). A
-    download cut off is started again, a few times: the file is rewritten whole."""
+    download cut off is started again, a few times: the file is rewritten whole. Returns its
+    size and sha256, taken from the bytes as they went up."""
     from huggingface_hub import hf_hub_url
     from huggingface_hub.utils import build_hf_headers
 
     url = hf_hub_url(ref.repo_id, name, revision=sha, endpoint=endpoint)
     headers = build_hf_headers(token=token or False)
     for attempt in range(DOWNLOAD_ATTEMPTS):
+        digest = hashlib.sha256()
         try:
-            return store.write_stream(join(dest, name), _download_chunks(url, headers))
+            size = store.write_stream(join(dest, name), _hashed(_download_chunks(url, headers), digest))
+            return size, digest.hexdigest()
         except (StorageError, HubError):
             raise
         except Exception as err:
@@ -231,12 +272,23 @@ def copy_file(store: Store, ref: HubRef, sha: str, name: str, dest: str, endpoin
     raise AssertionError("unreachable")
 
 
+def check_download(name: str, size: int, sha256: str, listed_size: Optional[int],
+                   listed_sha256: Optional[str]) -> Optional[str]:
+    """None when a mirrored file is what the hub's listing says (its size; its LFS sha256 where
+    the listing gives one), else what differs."""
+    if listed_size is not None and size != listed_size:
+        return f"{name} arrived as {size} bytes, the hub lists {listed_size}"
+    if listed_sha256 is not None and sha256 != str(listed_sha256).lower():
+        return f"{name} has sha256 {sha256}, the hub's LFS entry says {listed_sha256}"
+    return None
+
+
 def mirror_model(store: Store, uri: str, mirror_root: str, allow_pickle: bool = False) -> dict:
     """Resolve `hf://…` and make sure its mirror is complete; returns the mirror's marker
     (repo, requested revision, sha, files, mirror_uri). Idempotent: a complete mirror is reused."""
     ref = parse_hub_uri(uri)
     store.check_reachable(mirror_root)
-    if SHA.match(ref.revision):
+    if is_sha(ref.revision):
         done = load_marker(store, mirror_uri_of(mirror_root, ref, ref.revision))
         if done is not None:  # pinned and mirrored: no request to the hub at all
             return {**done, "revision": ref.revision}
@@ -249,11 +301,16 @@ def mirror_model(store: Store, uri: str, mirror_root: str, allow_pickle: bool = 
     wanted = select_files(ref, files, allow_pickle)
     # Files left by a mirror that was cut off are overwritten; the marker goes last.
     started = time.time()
-    sizes = {}
-    for name, _ in wanted:
-        sizes[name] = copy_file(store, ref, sha, name, dest, endpoint, token)
+    sizes, digests = {}, {}
+    for name, listed_size, listed_sha256 in wanted:
+        sizes[name], digests[name] = copy_file(store, ref, sha, name, dest, endpoint, token)
+        # A truncated, swapped or corrupted file is a failed mirror: no marker, so never used.
+        if problem := check_download(name, sizes[name], digests[name], listed_size, listed_sha256):
+            raise HubError(f"hf://{ref.repo_id}@{sha}: {problem} (from {shown_endpoint(endpoint)}); the mirror at "
+                           f"{dest} is not marked complete")
     marker = {"repo": ref.repo_id, "revision": ref.revision, "sha": sha, "endpoint": shown_endpoint(endpoint),
-              "files": sizes, "mirror_uri": dest, "mirrored_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "files": sizes, "sha256": digests, "mirror_uri": dest,
+              "mirrored_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "pickled_weights": any(n.endswith((".bin", ".pt", ".pth")) for n in sizes)}
     store.write_json(join(dest, MARKER), marker)
     log.info("hf://%s@%s (%s): mirrored %d files, %.1f MB, to %s in %.1f s", ref.repo_id, ref.revision, sha,
@@ -293,20 +350,22 @@ def read_model_file(store: Store, uri: str, mirror_root: str, name: str = "confi
 
     def from_mirror(sha: str) -> Optional[tuple[bytes, str]]:
         dest = mirror_uri_of(mirror_root, ref, sha)
+        if load_marker(store, dest) is None:  # no bucket yet, or no complete mirror: the hub has it
+            return None
         try:
-            if load_marker(store, dest) is None:
-                return None
-            return store.read_bytes(join(dest, name)), join(dest, name)
-        except (StorageError, OSError):
-            return None  # no bucket yet, or no such file there: the hub has it
+            return store.read_bytes(join(dest, name), attempts=READ_ATTEMPTS), join(dest, name)
+        except ObjectNotFound:
+            return None  # a mirror without this file: the hub has it
+        except OSError as err:
+            raise StorageError(f"{join(dest, name)}: could not be read ({type(err).__name__})") from None
 
-    if SHA.match(ref.revision) and (found := from_mirror(ref.revision)):
+    if is_sha(ref.revision) and (found := from_mirror(ref.revision)):
         return found
     endpoint, token = hub_endpoint(), _token()
     sha, files = resolve_revision(ref, endpoint, token, mirror_root)
     if found := from_mirror(sha):
         return found
-    if name not in {n for n, _ in files}:
+    if name not in {entry[0] for entry in files}:
         raise HubError(f"hf://{ref.repo_id}@{ref.revision}: no {name} (not a transformers model repo)")
     from huggingface_hub import hf_hub_url
     from huggingface_hub.utils import build_hf_headers
@@ -324,7 +383,7 @@ def describe_sha_change(old_uri: str, new_uri: str) -> Optional[str]:
     branch moved since the run began); None for any other pair."""
     old_parent, _, old_sha = str(old_uri).rstrip("/").rpartition("/")
     new_parent, _, new_sha = str(new_uri).rstrip("/").rpartition("/")
-    if old_parent != new_parent or not (SHA.match(old_sha) and SHA.match(new_sha)):
+    if old_parent != new_parent or not (is_sha(old_sha) and is_sha(new_sha)):
         return None
     repo = "/".join(old_parent.split("/")[-2:])
     return f"the hub commit of {repo} is now {new_sha}, the run's is {old_sha}: pin hf://{repo}@{old_sha} to resume"

@@ -17,7 +17,10 @@ keep training while their driver is paused) carries a `Fence`: the lease's URI, 
 the holder id it was started with. `Fence.check()` reads the lease right before a commit and
 refuses unless it still names that holder and epoch. S3 has no write conditional on another
 object, so this is a read just before the write: a takeover that lands between the two lets one
-last write through, and every later one is refused.
+last write through, and every later one is refused. So the lease also keeps when each epoch
+began, and whether it took the lease over from a holder that had not released it (`epochs`): a
+reader can tell that a commit stamped with an older epoch landed after a newer one began, and
+set it aside (app.elastic.checkpoint does, for checkpoints).
 
 Expiry times are wall-clock UTC: holders are assumed to keep NTP time, well within a lifetime.
 """
@@ -40,10 +43,17 @@ log = logging.getLogger(__name__)
 
 LEASE_NAME = "_lease.json"
 LEASE_TTL_S = 120.0
+# The start times of this many epochs are kept in the lease: a run restarts its driver a few
+# times, not hundreds; a commit from an epoch older than those is judged by the oldest kept.
+EPOCHS_KEPT = 256
 
 
 class LeaseError(RuntimeError):
     """A prefix is held by someone else, or the lease was lost: one line naming it and the holder."""
+
+
+class LeaseUnread(RuntimeError):
+    """The lease could not be read within a bound: neither held nor lost, as far as anyone knows."""
 
 
 def lease_uri(prefix_uri: str) -> str:
@@ -67,12 +77,49 @@ def describe_owner(owner: dict) -> str:
 
 
 def lease_body(owner: dict, ttl_s: float, epoch: int, created_at: Optional[str] = None,
-               released: bool = False) -> bytes:
+               released: bool = False, epochs: Optional[dict] = None) -> bytes:
+    """`epochs`: {epoch (a string, as JSON keys are): {"started_at", "took_over"}}, this one's
+    included (see `carry_epochs`)."""
     start = now()
     expires = start if released else start + dt.timedelta(seconds=ttl_s)
     return json.dumps({"owner": owner, "epoch": epoch, "created_at": created_at or start.isoformat(),
                        "renewed_at": start.isoformat(), "expires_at": expires.isoformat(),
-                       "released": released}, indent=2).encode()
+                       "released": released, "epochs": epochs or {}}, indent=2).encode()
+
+
+def list_epochs(lease: Optional[dict]) -> dict[int, tuple[float, bool]]:
+    """{epoch: (when it began, in epoch seconds; whether it took the lease over from a holder that
+    had not released it)} of a lease. A lease written before epochs were kept gives its current
+    epoch alone, from `created_at`, counted as a takeover (the cautious reading)."""
+    if not lease:
+        return {}
+    epochs = {}
+    for epoch, entry in (lease.get("epochs") or {}).items():
+        try:
+            epochs[int(epoch)] = (dt.datetime.fromisoformat(entry["started_at"]).timestamp(),
+                                  bool(entry.get("took_over", True)))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            continue  # a foreign entry: judged by the others
+    try:
+        current = dt.datetime.fromisoformat(lease["created_at"]).timestamp()
+        epochs.setdefault(int(lease.get("epoch", 0)), (current, True))
+    except (KeyError, TypeError, ValueError):
+        pass
+    return epochs
+
+
+def carry_epochs(held: Optional[dict], current: bool, epoch: int, started_at: str) -> dict:
+    """The epochs a new holder writes: those the lease it takes (`held`; `current`: whether
+    there was an object at all) kept, its holder's own from `created_at` if it kept none, then
+    this one, the newest EPOCHS_KEPT of them. `took_over`: the lease was there and not released
+    (expired, or unreadable), so its holder may still be committing."""
+    epochs: dict[int, dict] = {}
+    if held:
+        epochs.update({int(k): v for k, v in (held.get("epochs") or {}).items() if str(k).isdigit()})
+        if held.get("created_at"):
+            epochs.setdefault(int(held.get("epoch", 0)), {"started_at": held["created_at"], "took_over": True})
+    epochs[epoch] = {"started_at": started_at, "took_over": current and not (held and held.get("released"))}
+    return {str(k): epochs[k] for k in sorted(epochs)[-EPOCHS_KEPT:]}
 
 
 def parse_lease(data: bytes) -> Optional[dict]:
@@ -112,7 +159,11 @@ class Lease:
         self.created_at: Optional[str] = None
         self.epoch = 0
         self.lost: Optional[str] = None
-        self.renewed_at = 0.0  # time.monotonic() of the last write that held the lease
+        # time.monotonic() when the last write that held the lease was built: its expiry is
+        # counted from there, so a write that took long (retried, a slow store) is not counted
+        # as renewed any later than the expiry it wrote.
+        self.renewed_at = 0.0
+        self.epochs: dict = {}
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -131,13 +182,15 @@ class Lease:
                             describe_owner(held["owner"]) if held else "an unreadable lease",
                             held["expires_at"] if held else "?")
             epoch = int(held.get("epoch", 0)) + 1 if held else 1
-            body = lease_body(self.owner, self.ttl_s, epoch)
+            started, taken_at = time.monotonic(), now().isoformat()
+            epochs = carry_epochs(held, current is not None, epoch, taken_at)
+            body = lease_body(self.owner, self.ttl_s, epoch, created_at=taken_at, epochs=epochs)
             version = self.store.write_if(self.uri, body, current[1] if current else None)
             if version is None:
                 version = self._mine_after_retry()
             if version is not None:
-                self.version, self.created_at, self.epoch = version, json.loads(body)["created_at"], epoch
-                self.renewed_at = time.monotonic()
+                self.version, self.created_at, self.epoch = version, taken_at, epoch
+                self.epochs, self.renewed_at = epochs, started
                 return
         raise LeaseError(f"{self.label}: could not take the lease {self.uri} (other writers keep taking it)")
 
@@ -169,7 +222,9 @@ class Lease:
     def _renew(self, released: bool = False) -> None:
         if self.lost:
             raise LeaseError(self.lost)
-        body = lease_body(self.owner, self.ttl_s, self.epoch, self.created_at, released=released)
+        started = time.monotonic()  # before the body's expiry is stamped, never after the write
+        body = lease_body(self.owner, self.ttl_s, self.epoch, self.created_at, released=released,
+                          epochs=self.epochs)
         version = self.store.write_if(self.uri, body, self.version)
         if version is None:
             version = self._mine_after_retry()
@@ -179,7 +234,7 @@ class Lease:
                          f"{held.get('epoch', 0)} (this holder's epoch was {self.epoch})" if held
                          else f"{self.label}: lease {self.uri} removed by someone else")
             raise LeaseError(self.lost)
-        self.version, self.renewed_at = version, time.monotonic()
+        self.version, self.renewed_at = version, started
 
     def check(self, retry_s: float = 2.0) -> None:
         """Renew now; LeaseError if the lease was taken over (call it right before a commit). A
@@ -269,10 +324,34 @@ class Fence:
     def from_dict(cls, d: Optional[dict]) -> Optional["Fence"]:
         return cls(d["uri"], int(d["epoch"]), d["owner_id"], d["label"]) if d else None
 
-    def check(self, store: Store) -> None:
-        # Patient: an outage that the commit after this check would ride out must not end the
-        # worker here first (a 20 s one did, with a 5-attempt read).
-        held = read_lease(store, self.uri, patient=True)
+    def check(self, store: Store, timeout_s: Optional[float] = None) -> None:
+        """LeaseError once the lease names another holder or epoch. `timeout_s`: give up waiting
+        for storage after that long with LeaseUnread (the read goes on in the background and its
+        answer is dropped), for a caller that must not stall on an outage (Ray Train's
+        controller); without it the read takes the store's whole retry budget."""
+        if timeout_s is None:
+            # Patient: an outage that the commit after this check would ride out must not end
+            # the worker here first (a 20 s one did, with a 5-attempt read).
+            return self._judge(read_lease(store, self.uri, patient=True))
+        answer: dict = {}
+
+        def read() -> None:
+            try:
+                answer["lease"] = read_lease(store, self.uri, patient=True)
+            except Exception as err:  # handed to the caller below, if it still waits
+                answer["error"] = err
+
+        reader = threading.Thread(target=read, name=f"eft-fence {self.uri}", daemon=True)
+        reader.start()
+        reader.join(timeout_s)
+        if reader.is_alive():
+            raise LeaseUnread(f"{self.label}: lease {self.uri} not read within {timeout_s:.0f} s (storage slow or "
+                              f"away)")
+        if "error" in answer:
+            raise answer["error"]
+        self._judge(answer["lease"])
+
+    def _judge(self, held: Optional[dict]) -> None:
         if held is not None and held["owner"]["id"] == self.owner_id and int(held.get("epoch", 0)) == self.epoch:
             return
         to = (f"{describe_owner(held['owner'])}, epoch {held.get('epoch', 0)}" if held

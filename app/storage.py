@@ -65,6 +65,11 @@ class StorageError(RuntimeError):
     """A storage problem, reported as one line naming the URI, bucket or endpoint."""
 
 
+class ObjectNotFound(StorageError):
+    """The object (or its bucket) does not exist: the one read failure that says something is
+    absent. Any other failure, once retried, is a StorageError of its own kind, never absence."""
+
+
 def s3_endpoint(explicit: Optional[str] = None) -> Optional[str]:
     return explicit or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
 
@@ -172,13 +177,40 @@ class Store:
         self.bytes_read = 0
         self.bytes_cached = 0
         self._count_lock = threading.Lock()
+        self._init_boto3()
+
+    def _init_boto3(self) -> None:
+        # A boto3 Session is not thread-safe, and boto3.client() builds every client on one
+        # default session shared by the whole process: the lease's renewal thread, Ray's upload
+        # threads and the training thread built clients on it at once. Each Store has a session
+        # of its own, used under a lock, and keeps the clients it built (a client is thread-safe).
+        self._boto3_lock = threading.Lock()
+        self._boto3_session = None
+        self._boto3_clients: dict = {}
 
     def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "_count_lock"}
+        skip = {"_count_lock", "_boto3_lock", "_boto3_session", "_boto3_clients"}
+        return {k: v for k, v in self.__dict__.items() if k not in skip}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._count_lock = threading.Lock()
+        self._init_boto3()
+
+    def boto3_client(self, kind: str, config):
+        """This Store's S3 client of one `kind` (its retry budget: "preflight", "short",
+        "patient"), built once on the Store's own boto3 session."""
+        with self._boto3_lock:
+            client = self._boto3_clients.get(kind)
+            if client is None:
+                import boto3
+
+                if self._boto3_session is None:
+                    self._boto3_session = boto3.session.Session()
+                client = self._boto3_session.client("s3", endpoint_url=s3_endpoint(self.endpoint),
+                                                    region_name=self.region, config=config)
+                self._boto3_clients[kind] = client
+            return client
 
     def _count(self, n: int) -> None:
         with self._count_lock:
@@ -200,18 +232,14 @@ class Store:
         """Fail fast, in one line, on an unreachable endpoint, a missing bucket or bad credentials."""
         if not is_s3(uri):
             return
-        import boto3
         import botocore.exceptions as bexc
 
         bucket = check_bucket_name(uri)
-        ep = s3_endpoint(self.endpoint)
-        where = ep or "the default AWS endpoint"
+        where = s3_endpoint(self.endpoint) or "the default AWS endpoint"
         # Preflight answers fast: a few attempts, not the long patience of a running job.
-        client = boto3.client(
-            "s3", endpoint_url=ep, region_name=self.region,
-            config=boto3_config(connect_timeout=INTERACTIVE_CONNECT_TIMEOUT_S, read_timeout=INTERACTIVE_REQUEST_TIMEOUT_S,
-                                retries={"mode": "standard", "max_attempts": INTERACTIVE_ATTEMPTS}),
-        )
+        client = self.boto3_client("preflight", boto3_config(
+            connect_timeout=INTERACTIVE_CONNECT_TIMEOUT_S, read_timeout=INTERACTIVE_REQUEST_TIMEOUT_S,
+            retries={"mode": "standard", "max_attempts": INTERACTIVE_ATTEMPTS}))
         try:
             client.head_bucket(Bucket=bucket)
         except (bexc.ConnectionError, bexc.HTTPClientError) as err:  # refused, unresolvable, timed out
@@ -231,8 +259,11 @@ class Store:
         fs, path = self.resolve(uri)
         return fs.get_file_info(path).type != pafs.FileType.NotFound
 
-    def read_bytes(self, uri: str) -> bytes:
-        data = self._read_retrying(uri, lambda fs, path: _read_whole(fs, path))
+    def read_bytes(self, uri: str, attempts: Optional[int] = None) -> bytes:
+        """One object whole; ObjectNotFound when it (or its bucket) does not exist. `attempts`:
+        how many times a failed read is tried (default: READ_ATTEMPTS on S3, once on an
+        interactive Store, whose pyarrow client still retries on its own)."""
+        data = self._read_retrying(uri, lambda fs, path: _read_whole(fs, path), attempts)
         self._count(len(data))
         return data
 
@@ -244,14 +275,15 @@ class Store:
             raise StorageError(f"{uri}: {len(data)} bytes at offset {offset}, expected {length} (object truncated?)")
         return data
 
-    def _read_retrying(self, uri: str, read) -> bytes:
+    def _read_retrying(self, uri: str, read, attempts: Optional[int] = None) -> bytes:
         fs, path = self.resolve(uri)
-        attempts = READ_ATTEMPTS if is_s3(uri) and not self.interactive else 1
+        if attempts is None:
+            attempts = READ_ATTEMPTS if is_s3(uri) and not self.interactive else 1
         for attempt in range(attempts):
             try:
                 return read(fs, path)
             except FileNotFoundError:
-                raise StorageError(f"{uri}: not found") from None
+                raise ObjectNotFound(f"{uri}: not found") from None
             except OSError:
                 # The SDK reads a GET's body into a buffer the object's size: a throttled GET of an
                 # object shorter than S3's error XML (an event, a small JSON) overflows it and fails
@@ -383,14 +415,14 @@ class Store:
             return True
 
     def _s3_object(self, uri: str, patient: bool = False):
-        import boto3
-
         bucket, _, key = uri[len("s3://"):].partition("/")
         # Fewer attempts than other writes: a lease write that waited out the full backoff could
         # outlive the lease it renews; the holder tries again at its next renewal instead.
-        config = (boto3_config() if patient and not self.interactive
-                  else boto3_config(read_timeout=30, retries={"mode": "standard", "max_attempts": 5}))
-        client = boto3.client("s3", endpoint_url=s3_endpoint(self.endpoint), region_name=self.region, config=config)
+        if patient and not self.interactive:
+            client = self.boto3_client("patient", boto3_config())
+        else:
+            client = self.boto3_client("short", boto3_config(read_timeout=30,
+                                                             retries={"mode": "standard", "max_attempts": 5}))
         return client, bucket, key
 
     @staticmethod
@@ -422,12 +454,19 @@ class Store:
 
     def list_file_sizes(self, uri: str) -> dict[str, int]:
         """{relative path: size in bytes} of the files under a prefix (empty if absent)."""
+        return {name: size for name, (size, _) in self.list_file_stats(uri).items()}
+
+    def list_file_stats(self, uri: str) -> dict[str, tuple[int, Optional[float]]]:
+        """{relative path: (size in bytes, modified time in epoch seconds or None)} of the files
+        under a prefix (empty if absent). On S3 the time is when the store took the object, to
+        the second: the time of a commit by the store's clock, not the writer's."""
         fs, path = self.resolve(uri)
         try:
             infos = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
         except FileNotFoundError:
             return {}
-        return {i.path[len(path):].lstrip("/"): i.size for i in infos if i.type == pafs.FileType.File}
+        return {i.path[len(path):].lstrip("/"): (i.size, i.mtime_ns / 1e9 if i.mtime_ns is not None else None)
+                for i in infos if i.type == pafs.FileType.File}
 
     def list_dirs(self, uri: str) -> list[str]:
         fs, path = self.resolve(uri)

@@ -2,7 +2,10 @@
 `huggingface_hub` client calls to resolve a revision (`/api/models/<repo>/revision/<rev>`) and
 to download a file (`/<repo>/resolve/<rev>/<file>`), for repos a test builds from files on disk.
 Point the client at it with HF_ENDPOINT, as moto stands in for S3. It counts every request and
-keeps each one's headers, so a test can say the hub was not contacted, or what it was sent."""
+keeps each one's headers, so a test can say the hub was not contacted, or what it was sent.
+Its listing gives each file's size and, for safetensors (stored with LFS on the real hub), the
+LFS entry's sha256. A test makes it lie, as a broken or hostile endpoint would: `answer_sha`
+replaces the commit sha it answers, `listed` overrides fields of a file's listing entry."""
 
 from __future__ import annotations
 
@@ -22,6 +25,17 @@ class HubRepo:
         self.refs: dict[str, str] = {}
         self.commits: dict[str, dict[str, bytes]] = {}
         self.gated_token = gated_token
+        self.answer_sha: str | None = None  # what the API answers as the commit, instead of the real one
+        self.listed: dict[str, dict] = {}  # file name → listing fields that replace the true ones
+
+    def sibling(self, name: str, body: bytes) -> dict:
+        entry = {"rfilename": name, "size": len(body)}
+        if name.endswith(".safetensors"):
+            entry["lfs"] = {"size": len(body), "sha256": hashlib.sha256(body).hexdigest(), "pointerSize": 134}
+        override = self.listed.get(name, {})
+        if "lfs" in override and "lfs" in entry:
+            return {**entry, **override, "lfs": {**entry["lfs"], **override["lfs"]}}
+        return {**entry, **override}
 
     def commit(self, files: dict[str, bytes], branch: str = "main") -> str:
         sha = hashlib.sha1(json.dumps(sorted((k, hashlib.sha1(v).hexdigest()) for k, v in files.items()))
@@ -82,9 +96,9 @@ class HubServer:
                     if sha is None:
                         return self._error(404, "RevisionNotFound", head)
                     files = repo.commits[sha]
-                    info = {"id": repo_id, "modelId": repo_id, "sha": sha, "private": False,
+                    info = {"id": repo_id, "modelId": repo_id, "sha": repo.answer_sha or sha, "private": False,
                             "gated": "manual" if repo.gated_token else False, "downloads": 0, "likes": 0,
-                            "tags": [], "siblings": [{"rfilename": n, "size": len(b)} for n, b in sorted(files.items())]}
+                            "tags": [], "siblings": [repo.sibling(n, b) for n, b in sorted(files.items())]}
                     return self._send(200, json.dumps(info).encode(), {"Content-Type": "application/json"}, head)
                 parts = path.lstrip("/").split("/")
                 if len(parts) >= 5 and parts[2] == "resolve":

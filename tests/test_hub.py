@@ -6,6 +6,7 @@ in no object written and no log line."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import tempfile
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 from hub_server import HubRepo, HubServer
 
 from app.config import ConfigError, build_config
+from app.dev.faults import SlowDownProxy
 from app.hub import MARKER, HubError, default_mirror_root, list_mirrors, mirror_model, resolve_model
 from app.storage import Store, join
 
@@ -137,6 +139,96 @@ def test_a_mirror_cut_off_midway_is_not_used_and_is_redone(s3, hub, monkeypatch)
     marker = mirror_model(store, f"hf://{ORG_NAME}@{sha}", root)  # a sha without a marker: mirrored anew
     assert store.exists(join(dest, MARKER)) and marker["sha"] == sha
     assert [m["complete"] for m in list_mirrors(store, root)] == [True]
+
+
+def test_a_commit_sha_that_is_not_one_is_refused_before_anything_is_written(s3, hub):
+    """The sha the hub answers becomes part of a storage path: a broken or hostile endpoint's
+    answer (a path, upper case, short, a trailing newline) is one line, and nothing is written."""
+    store, root = Store(), fresh_root("bad-sha")
+    real = hub.repos[ORG_NAME].refs["main"]
+    for answer in ("../../../../escaped", real.upper(), real[:39], real + "\n", "/" + real[1:]):
+        hub.repos[ORG_NAME].answer_sha = answer
+        with pytest.raises(HubError) as info:
+            mirror_model(store, f"hf://{ORG_NAME}", root)
+        line = str(info.value)
+        assert line == (f"hf://{ORG_NAME}@main: the hub at {hub.endpoint} answered {answer!r} as the commit, not a "
+                        f"40-character lowercase hex sha; nothing mirrored"), line
+    assert store.list_files(root) == [] and hub.requests["download"] == 0
+    hub.repos[ORG_NAME].answer_sha = None
+    assert mirror_model(store, f"hf://{ORG_NAME}", root)["sha"] == real
+
+
+def test_a_mirrored_file_unlike_the_hubs_listing_fails_the_mirror(s3, hub):
+    """Each file is checked against the hub's listing as it goes up: its size, and the sha256 of
+    its LFS entry. A mismatch (a truncated or swapped file, a lying endpoint) is one line naming
+    the file, and the mirror gets no marker, so it is never used; once the hub agrees, it is."""
+    store, root = Store(), fresh_root("mismatch")
+    repo = hub.repos[ORG_NAME]
+    sha = repo.refs["main"]
+    dest = join(root, "acme", "tiny-llama", sha)
+    size = len(repo.commits[sha]["config.json"])
+    repo.listed = {"config.json": {"size": size + 1}}
+    with pytest.raises(HubError) as info:
+        mirror_model(store, f"hf://{ORG_NAME}", root)
+    assert str(info.value) == (f"hf://{ORG_NAME}@{sha}: config.json arrived as {size} bytes, the hub lists {size + 1} "
+                               f"(from {hub.endpoint}); the mirror at {dest} is not marked complete")
+    assert not store.exists(join(dest, MARKER))
+
+    forged = "0" * 64
+    repo.listed = {"model.safetensors": {"lfs": {"sha256": forged}}}
+    with pytest.raises(HubError) as info:
+        mirror_model(store, f"hf://{ORG_NAME}", root)
+    actual = hashlib.sha256(repo.commits[sha]["model.safetensors"]).hexdigest()
+    assert str(info.value) == (f"hf://{ORG_NAME}@{sha}: model.safetensors has sha256 {actual}, the hub's LFS entry "
+                               f"says {forged} (from {hub.endpoint}); the mirror at {dest} is not marked complete")
+    assert [m["complete"] for m in list_mirrors(store, root)] == [False]
+
+    repo.listed = {}
+    marker = mirror_model(store, f"hf://{ORG_NAME}", root)
+    assert marker["sha256"]["model.safetensors"] == actual
+    assert [m["complete"] for m in list_mirrors(store, root)] == [True]
+
+
+class FirstRequestsThrottled(SlowDownProxy):
+    """A SlowDownProxy that answers 503 SlowDown to the first `count` requests it gets and
+    forwards every later one: a storage blip of a known length."""
+
+    def __init__(self, upstream: str, count: int):
+        super().__init__(upstream, fraction=0.0)
+        self.left = count
+
+    def _throttle(self) -> bool:
+        with self._random_lock:
+            self.left -= 1
+            return self.left >= 0
+
+
+def test_a_storage_blip_reading_the_marker_is_retried_never_taken_for_no_mirror(s3, hub, monkeypatch):
+    """`eft plan` (an interactive store) on a pinned, mirrored sha: the first reads of the marker
+    answer 503. They are retried, and config.json comes from the mirror: the hub is not asked
+    (offline, it could not be). A store that keeps failing is one line naming the marker, never
+    a download."""
+    from app.hub import read_model_file
+
+    store, root = Store(), fresh_root("blip")
+    marker = mirror_model(store, f"hf://{ORG_NAME}", root)
+    sha, before = marker["sha"], dict(hub.requests)
+    with FirstRequestsThrottled(s3.endpoint, count=3) as proxy:
+        data, where = read_model_file(Store(endpoint=proxy.endpoint, interactive=True), f"hf://{ORG_NAME}@{sha}", root)
+    assert proxy.log.count(503) == 3  # the blip happened
+    assert where == join(marker["mirror_uri"], "config.json") and data == store.read_bytes(where)
+    assert dict(hub.requests) == before
+
+    from app.storage import StorageError
+
+    with SlowDownProxy(s3.endpoint, fraction=1.0) as proxy:
+        away = Store(endpoint=proxy.endpoint, interactive=True)
+        with pytest.raises(StorageError) as info:
+            read_model_file(away, f"hf://{ORG_NAME}@{sha}", root)
+    line = str(info.value)
+    assert line.startswith(f"{join(marker['mirror_uri'], MARKER)}: the mirror's marker could not be read (OSError: ")
+    assert "\n" not in line and line.endswith("not mirroring again over a blip: try again once storage answers")
+    assert dict(hub.requests) == before
 
 
 def test_a_gated_repo_names_the_repo_and_the_way_in_and_the_token_is_never_written(s3, hub, model_dir, monkeypatch,

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 import uuid
 
 import pytest
@@ -159,3 +161,190 @@ def test_checks_before_a_commit_ride_out_an_outage_the_lease_outlives(s3):
     message, waited_s = outcomes["expired"]
     assert message.startswith(f"run {run_uri}-short: could not renew lease ") and waited_s < 10, outcomes
     assert message.endswith("this holder commits nothing more"), message
+
+
+class SlowWrites(Store):
+    """A local store whose conditional writes take `delay_s` to land: a slow store, or a PUT
+    retried after a lost answer."""
+
+    def __init__(self):
+        super().__init__()
+        self.delay_s = 0.0
+
+    def write_if(self, uri, data, version):
+        time.sleep(self.delay_s)
+        return super().write_if(uri, data, version)
+
+
+def test_a_slow_renewal_counts_the_lease_from_before_its_write(tmp_path):
+    """The expiry a renewal writes is counted from when its body was built, so the holder's
+    own count of the time it has left must start there too, not when the write came back:
+    else a slow write makes the holder believe it holds the run longer than it does."""
+    store = SlowWrites()
+    lease = build_run_lease(store, str(tmp_path / "run"), ttl_s=30)
+    store.delay_s = 1.0
+    before = time.monotonic()
+    lease.take()
+    assert lease.renewed_at - before < 0.5
+    before = time.monotonic()
+    lease.renew()
+    assert lease.renewed_at - before < 0.5
+    store.delay_s = 0.0
+    lease.stop()
+
+
+def save_local_checkpoint(directory, step: int, epoch: int) -> dict:
+    """What one rank-0 save leaves on local disk (app.elastic.checkpoint.save, without torch):
+    the DCP files and train_state.json, and beside them the sidecar, which names the lease
+    epoch. Returns commit_checkpoint's arguments for them."""
+    from app.elastic.checkpoint import DCP_METADATA, TRAIN_STATE, build_sidecar, list_local_files
+
+    directory.mkdir(parents=True)
+    (directory / DCP_METADATA).write_bytes(b"m" * 32)
+    (directory / "__0_0.distcp").write_bytes(bytes([step]) * 4096)
+    (directory / TRAIN_STATE).write_text(json.dumps({"step": step, "rows_consumed": 4 * step}))
+    sidecar = build_sidecar(list_local_files(directory), step=step, world_size=1)
+    beside = directory.parent / f"{directory.name}.checkpoint.json"
+    beside.write_text(json.dumps({**sidecar, "lease_epoch": epoch}))
+    return {"local_dir": directory, "sidecar": beside}
+
+
+class HeldUploads(Store):
+    """A store that holds back one part of a checkpoint's commit until `release` is set, as an
+    upload slower than its driver's hold on the run would: `hold="files"`, the rank's files
+    (the upload itself: held as it resolves where they go); `hold="sidecar"`, the sidecar's
+    write, after the lease check passed."""
+
+    def __init__(self, hold: str):
+        super().__init__()
+        self.hold, self.reached, self.release = hold, threading.Event(), threading.Event()
+
+    def _wait(self) -> None:
+        self.reached.set()
+        assert self.release.wait(60)
+
+    def resolve(self, uri):
+        if self.hold == "files" and uri.rstrip("/").rsplit("/", 1)[1].startswith("checkpoint-"):
+            self._wait()
+        return super().resolve(uri)
+
+    def write_bytes(self, uri, data):
+        if self.hold == "sidecar" and uri.endswith("/checkpoint.json"):
+            self._wait()
+        return super().write_bytes(uri, data)
+
+
+def test_a_paused_drivers_upload_that_lands_after_a_takeover_is_never_resumed_from(s3, tmp_path):
+    """Driver A (epoch 1) is paused past its lease; its workers' uploads go on. Driver B takes
+    the run over. A's upload still going when B took over is checked again before its sidecar
+    and never committed; a sidecar of A's that had passed the check just before the takeover
+    lands after it, and is set aside whatever its step: by B at its resume, by Ray's
+    registration of it, and by C, two epochs on. Real leases on moto's S3, no Ray: this is what
+    Ray Train's upload hook (`save`'s checkpoint_upload_fn) and rank 0's resume choice run."""
+    from app.elastic.checkpoint import choose_resume_checkpoint, commit_checkpoint, judge_checkpoints
+
+    store, run_uri = Store(), f"s3://eft/runs-lease/{uuid.uuid4().hex[:8]}"
+
+    def ckpt(step: int) -> str:
+        return join(run_uri, f"checkpoint-{step:08d}")
+
+    a = build_run_lease(store, run_uri, ttl_s=2)
+    a.take()  # and never renewed: its driver is paused
+    fence_a = Fence.from_dict(a.fence().to_dict())  # as A's workers carry it
+    commit_checkpoint(store, ckpt_uri=ckpt(2), fence=fence_a, **save_local_checkpoint(tmp_path / "a2", 2, epoch=1))
+
+    slow_files, slow_sidecar = HeldUploads("files"), HeldUploads("sidecar")
+    outcome: dict = {}
+
+    def upload(name, held_store, step):
+        try:
+            commit_checkpoint(held_store, ckpt_uri=ckpt(step), fence=fence_a,
+                              **save_local_checkpoint(tmp_path / name, step, epoch=1))
+            outcome[name] = "committed"
+        except LeaseError as err:
+            outcome[name] = str(err)
+
+    uploads = [threading.Thread(target=upload, args=("a4", slow_files, 4)),
+               threading.Thread(target=upload, args=("a6", slow_sidecar, 6))]
+    for thread in uploads:
+        thread.start()
+    assert slow_files.reached.wait(30) and slow_sidecar.reached.wait(30)  # a6 passed its check: A held the run
+    b = build_run_lease(store, run_uri)
+    b.wait_and_take(30, poll_s=0.2)
+    assert b.epoch == 2
+    slow_files.release.set()
+    slow_sidecar.release.set()
+    for thread in uploads:
+        thread.join(60)
+
+    assert outcome["a4"] == (f"run {run_uri}: lease lost to {describe_owner_of(b)}, epoch 2; this holder (epoch 1) "
+                             f"commits nothing more")
+    assert outcome["a6"] == "committed"  # the one write a read-before-write fence lets through
+    verdicts = {v.uri: v for v in judge_checkpoints(store, run_uri)}
+    assert verdicts[ckpt(2)].usable
+    assert verdicts[ckpt(4)].incomplete.startswith("no checkpoint.json")
+    assert re.fullmatch(r"committed by lease epoch 1 at \S+, after epoch 2 took the run over at \S+: a driver "
+                        r"that had lost the run", verdicts[ckpt(6)].fenced_out), verdicts[ckpt(6)]
+    # B resumes from A's last checkpoint committed while A held the run, even with A's step 6
+    # registered (A's controller may have registered it).
+    registered = store.resolve(ckpt(6))[1]
+    assert choose_resume_checkpoint(store, run_uri, None) == ("storage", ckpt(2))
+    assert choose_resume_checkpoint(store, run_uri, registered) == ("storage", ckpt(2))
+
+    # B trains on from step 2 and commits step 4 (over A's leftovers); then C takes over.
+    commit_checkpoint(store, ckpt_uri=ckpt(4), fence=b.fence(), **save_local_checkpoint(tmp_path / "b4", 4, epoch=2))
+    assert choose_resume_checkpoint(store, run_uri, registered) == ("storage", ckpt(4))
+    b.stop()
+    c = build_run_lease(store, run_uri).start()
+    # C began right after B's release, B's last commit a moment before: a release fences nothing.
+    kept = read_lease(store, join(run_uri, "_lease.json"))["epochs"]
+    assert c.epoch == 3 and [(e, kept[e]["took_over"]) for e in sorted(kept)] == [("1", False), ("2", True),
+                                                                                   ("3", False)]
+    assert choose_resume_checkpoint(store, run_uri, None) == ("storage", ckpt(4))
+    from app.elastic.checkpoint import list_checkpoints
+
+    assert list_checkpoints(store, run_uri) == [ckpt(2), ckpt(4)]
+    c.stop()
+
+
+def describe_owner_of(lease) -> str:
+    from app.lease import describe_owner
+
+    return describe_owner(lease.owner)
+
+
+def test_controller_reads_of_the_lease_are_bounded_in_time(monkeypatch):
+    """Ray Train's controller decides nothing while a callback runs. A store that takes the
+    connection and never answers holds the lease check for at most the bound: the failure
+    decision goes ahead as Ray takes it, and the event is not recorded, instead of waiting out
+    a patient read's retries (13 attempts of 30 s)."""
+    import socket
+
+    from app.elastic import controller
+
+    monkeypatch.setattr(controller, "LEASE_READ_BOUND_S", 1.0, raising=False)  # a shorter wait, same path
+    # Credentials, so that the request is sent (without any, botocore gives up before it).
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    with socket.socket() as silent:  # accepts connections (the kernel's backlog), answers nothing
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)
+        store = Store(endpoint=f"http://127.0.0.1:{silent.getsockname()[1]}")
+        fence = Fence("s3://eft/runs-lease/silent/_lease.json", 1, "someone", "run s3://eft/runs-lease/silent")
+        callback = controller.build_fence_callback()
+        callback.store, callback.fence = store, fence
+        events = controller.ControllerEvents(store, "s3://eft/runs-lease/silent", fence=fence)
+        took: dict = {}
+
+        def decide():
+            started = time.monotonic()
+            callback.before_controller_execute_failure_decision("RETRY")  # no ControllerError: Ray's decision
+            took["decision"] = time.monotonic() - started
+            started = time.monotonic()
+            events.record("worker_group_failure", decision="RETRY")
+            took["event"] = time.monotonic() - started
+
+        thread = threading.Thread(target=decide, daemon=True)
+        thread.start()
+        thread.join(20)
+    assert not thread.is_alive() and took["decision"] < 5 and took["event"] < 5, took

@@ -370,3 +370,31 @@ def test_a_checkpoint_in_storage_is_read_by_ranges_of_what_is_loaded(s3, monkeyp
 
     local = tmp_path / "ckpt"
     assert isinstance(ckpt.build_checkpoint_reader(ray.train.Checkpoint(str(local)), store), FileSystemReader)
+
+
+def test_s3_clients_are_built_on_each_stores_own_session_not_on_boto3s_shared_one(s3, monkeypatch):
+    """The lease's renewal thread, Ray's upload threads and the training thread all make S3
+    requests through boto3. boto3.client() builds every client on one process-wide default
+    session, which is not thread-safe; a Store builds its clients on a session of its own."""
+    import threading
+
+    import boto3
+
+    monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)
+    store, uri, failures = Store(), "s3://eft/storage-tests/sessions/object", []
+
+    def work(i: int) -> None:
+        try:
+            assert store.write_if(f"{uri}-{i}", b"x" * i, None)
+            assert store.read_versioned(f"{uri}-{i}", patient=True)[0] == b"x" * i
+            store.check_reachable(uri)
+        except Exception as err:  # handed to the test's thread
+            failures.append(err)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert failures == []
+    assert boto3.DEFAULT_SESSION is None  # nothing was built on the shared session

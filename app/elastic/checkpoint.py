@@ -5,8 +5,18 @@ through Ray Train, which merges the ranks' files into one directory):
   .metadata, __<rank>_0.distcp   DCP of {"model": trainable params, "optim": optimizer}
   train_state.json               step, rows consumed, seed, world size, dataset (rank 0)
   checkpoint.json                the sidecar (rank 0, written last): every other file's name and
-                                 size across all ranks, step, world size, dataset, run identity
+                                 size across all ranks, step, world size, dataset, run identity,
+                                 and the run lease's epoch of the driver whose group saved it
 For LoRA the model entry holds the adapters only: the frozen base is reloaded from its URI.
+
+The sidecar is the commit. Each rank uploads its own files (`commit_checkpoint`, Ray Train's
+upload hook, in the background with checkpoint.async_upload); rank 0 keeps the sidecar out of
+the directory that goes up, then checks the run lease (app.lease.Fence) and only then puts the
+sidecar up, so an upload that outlived its driver's
+hold on the run (a paused driver, taken over meanwhile) is never completed. The check is a read
+before a write, so a takeover landing between the two still lets one sidecar through: on
+resume, a checkpoint whose sidecar names an epoch older than one that had already begun when
+the sidecar landed is set aside (`judge_checkpoints`), whatever its step.
 
 A bucket is a trust boundary: DCP's `.metadata` is a pickle, so whoever can write the bucket can
 run code in whoever unpickles it. Loading a checkpoint into training or export does (DCP has no
@@ -17,8 +27,10 @@ selection) reads the JSON sidecar and file listings, and never unpickles anythin
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import io
 import json
+import logging
 import shutil
 import tempfile
 import time
@@ -26,13 +38,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from app.lease import Fence, lease_uri, list_epochs, read_lease
 from app.storage import Store, StorageError, join
+
+log = logging.getLogger("eft.checkpoint")
 
 TRAIN_STATE = "train_state.json"
 SIDECAR = "checkpoint.json"
 DCP_METADATA = ".metadata"
 SIDECAR_VERSION = 1
 CHECKPOINT_PREFIX = "checkpoint-"
+# A store dates an object to the second (S3's Last-Modified), so a sidecar that landed within a
+# second after a takeover can read as a moment before it. A commit this close to the start of an
+# epoch that took the run over counts as after it: setting a good checkpoint aside costs some
+# steps, resuming from a fenced-out driver's mixes two drivers' runs. After a release (the
+# driver ended, its uploads done) there is nothing to fence, and no slack: a driver's last
+# checkpoint stays usable however soon the next one starts. (Holders and the store keep NTP
+# time, app.lease.)
+COMMIT_TIME_SLACK_S = 1.0
 
 
 def checkpoint_dir_name(step: int) -> str:
@@ -66,25 +89,55 @@ def check_complete(store: Store, ckpt_uri: str) -> Optional[str]:
     """None if the checkpoint is complete, else why not (a phrase for a one-line message).
 
     Complete = the sidecar is there, lists train_state.json and the DCP metadata, and every file
-    it lists is in storage with exactly the size it had when saved. Ray Train uploads each rank's
-    files in no fixed order, so until the last byte of the last rank is up some listed file is
+    it lists is in storage with exactly the size it had when saved. The ranks upload their files
+    in no fixed order, so until the last byte of the last rank is up some listed file is
     missing or short, and an upload cut off halfway never passes. Nothing here unpickles."""
-    sizes = store.list_file_sizes(ckpt_uri)
-    if SIDECAR not in sizes:
-        return f"no {SIDECAR} (an upload cut off, or saved by an eft without sidecars)"
+    return inspect_checkpoint(store, ckpt_uri)[0]
+
+
+def inspect_checkpoint(store: Store, ckpt_uri: str) -> tuple[Optional[str], Optional[dict], Optional[float]]:
+    """(why it is incomplete or None, its sidecar, when storage took the sidecar: the commit's
+    time in epoch seconds, None if the store gives none)."""
+    stats = store.list_file_stats(ckpt_uri)
+    if SIDECAR not in stats:
+        return f"no {SIDECAR} (an upload cut off, or saved by an eft without sidecars)", None, None
     try:
-        files = load_sidecar(store, ckpt_uri)["files"]
+        sidecar = load_sidecar(store, ckpt_uri)
     except StorageError as err:
-        return str(err)
+        return str(err), None, None
+    files = sidecar["files"]
     for needed in (TRAIN_STATE, DCP_METADATA):
         if needed not in files:
-            return f"{SIDECAR} lists no {needed}"
+            return f"{SIDECAR} lists no {needed}", sidecar, None
     for name, size in files.items():
-        if name not in sizes:
-            return f"{name} is missing"
-        if sizes[name] != size:
-            return f"{name} is {sizes[name]} bytes, {SIDECAR} says {size}"
-    return None
+        if name not in stats:
+            return f"{name} is missing", sidecar, None
+        if stats[name][0] != size:
+            return f"{name} is {stats[name][0]} bytes, {SIDECAR} says {size}", sidecar, None
+    return None, sidecar, stats[SIDECAR][1]
+
+
+def _utc(seconds: float) -> str:
+    return dt.datetime.fromtimestamp(seconds, dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def check_commit_epoch(sidecar: dict, committed_at: Optional[float],
+                       epochs: dict[int, tuple[float, bool]]) -> Optional[str]:
+    """None unless the checkpoint was committed by a driver that had already lost the run: its
+    sidecar names a lease epoch older than one that began before storage took the sidecar (or
+    within COMMIT_TIME_SLACK_S after, for an epoch that took the run over). `epochs`: {epoch:
+    (start in epoch seconds, took over)} (app.lease.list_epochs)."""
+    epoch = sidecar.get("lease_epoch")
+    if epoch is None or committed_at is None:
+        return None  # an unfenced run (no lease), or a store that dates nothing: nothing to judge by
+    newer = [(at, took_over, e) for e, (at, took_over) in epochs.items() if e > int(epoch)]
+    if not newer:
+        return None
+    began, took_over, by = min(newer)
+    if committed_at + (COMMIT_TIME_SLACK_S if took_over else 0.0) <= began:
+        return None
+    return (f"committed by lease epoch {epoch} at {_utc(committed_at)}, after epoch {by} took the run over at "
+            f"{_utc(began)}: a driver that had lost the run")
 
 
 def is_complete(store: Store, ckpt_uri: str) -> bool:
@@ -101,11 +154,37 @@ def check_local_copy(local_dir: Path, files: dict[str, int], ckpt_uri: str) -> N
                                f"bytes downloaded, {SIDECAR} says {size})")
 
 
-def list_checkpoints(store: Store, run_uri: str) -> list[str]:
-    """URIs of the complete checkpoints of a run, oldest first."""
+@dataclass(frozen=True)
+class Verdict:
+    uri: str
+    incomplete: Optional[str] = None  # why it is not complete
+    fenced_out: Optional[str] = None  # why it was committed by a driver that had lost the run
+
+    @property
+    def usable(self) -> bool:
+        return self.incomplete is None and self.fenced_out is None
+
+
+def judge_checkpoints(store: Store, run_uri: str) -> list[Verdict]:
+    """Every checkpoint directory of a run, oldest first, judged: complete, and committed while
+    its driver held the run (against the epochs' starts the run lease keeps)."""
     names = [d for d in store.list_dirs(run_uri) if d.startswith(CHECKPOINT_PREFIX)]
-    uris = [join(run_uri, d) for d in sorted(names)]
-    return [u for u in uris if is_complete(store, u)]
+    verdicts, epochs = [], None
+    for uri in [join(run_uri, d) for d in sorted(names)]:
+        incomplete, sidecar, committed_at = inspect_checkpoint(store, uri)
+        fenced_out = None
+        if incomplete is None and sidecar.get("lease_epoch") is not None:
+            if epochs is None:  # read once, and only for a run whose checkpoints carry epochs
+                epochs = list_epochs(read_lease(store, lease_uri(run_uri)))
+            fenced_out = check_commit_epoch(sidecar, committed_at, epochs)
+        verdicts.append(Verdict(uri, incomplete, fenced_out))
+    return verdicts
+
+
+def list_checkpoints(store: Store, run_uri: str) -> list[str]:
+    """URIs of the checkpoints of a run that may be resumed from, oldest first: complete, and
+    not committed by a driver that had lost the run."""
+    return [v.uri for v in judge_checkpoints(store, run_uri) if v.usable]
 
 
 def find_latest_checkpoint(store: Store, run_uri: str) -> Optional[str]:
@@ -148,16 +227,39 @@ def build_app_state(model, optimizer, lora: bool) -> dict:
             "optim": get_optimizer_state_dict(model, optimizer, options=opts)}
 
 
+def commit_checkpoint(store: Store, local_dir: Path, ckpt_uri: str, fence: Optional[Fence] = None,
+                      sidecar: Optional[Path] = None) -> None:
+    """One rank's part of a checkpoint into storage: its directory, copied as Ray Train's own
+    upload copies it; then, for rank 0 (`sidecar`: the sidecar's local file, kept outside the
+    directory), the run lease checked and the sidecar put up, the commit. The check comes after
+    the upload, not only before the save: with checkpoint.async_upload the upload runs in the
+    background for as long as it takes, and the driver may lose the run meanwhile. A lost lease
+    raises LeaseError and leaves the sidecar behind: what went up is an incomplete checkpoint."""
+    import pyarrow.fs as pafs
+
+    from app.compat import copy_checkpoint_files
+
+    fs, path = store.resolve(ckpt_uri)
+    fs.create_dir(path, recursive=True)
+    copy_checkpoint_files(str(local_dir), path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+    if sidecar is None:
+        return
+    if fence is not None:
+        fence.check(store)
+    store.write_bytes(join(ckpt_uri, SIDECAR), Path(sidecar).read_bytes())
+
+
 def save(cfg, store: Store, model, optimizer, *, step: int, rows_consumed: int, world_size: int,
          metrics: Optional[dict], rank: int, lineage: Optional[dict] = None, wait_for_upload: bool = False,
-         lease_epoch: Optional[int] = None, validate: bool = False) -> None:
+         fence: Optional[Fence] = None, validate: bool = False) -> None:
     """Every rank writes its DCP shards to a local dir; Ray Train uploads and merges them into
     `<run>/checkpoint-<step>/` and registers the checkpoint only once every rank's part is up.
     Rank 0 adds train_state.json and, last, the sidecar listing every rank's files (a collective:
     every rank calls this). `lineage` ({"dataset", "identity"}, see app.elastic.resume) goes into the
     sidecar, and its dataset into train_state.json too. `wait_for_upload` overrides
     `checkpoint.async_upload` (a just-in-time save must be up before the group drains).
-    `lease_epoch`: the run lease's epoch of the driver whose group saves it (app.lease). `validate`:
+    `fence`: the run lease's epoch of the driver whose group saves it (app.lease): recorded in the
+    sidecar, and checked right before the sidecar goes up (`commit_checkpoint`). `validate`:
     Ray Train runs the trainer's validation function (app.eval.during) on it, off the steps' path."""
     import ray.train
     import torch.distributed.checkpoint as dcp
@@ -174,15 +276,30 @@ def save(cfg, store: Store, model, optimizer, *, step: int, rows_consumed: int, 
             "lora": cfg.lora is not None, "dataset": lineage.get("dataset"), "saved_at": time.time(),
         }, indent=2))
     files = gather_file_sizes(local, step)
+    sidecar_file = None
     if rank == 0:
         sidecar = build_sidecar(files, step=step, world_size=world_size, lineage=lineage)
-        if lease_epoch is not None:
-            sidecar["lease_epoch"] = lease_epoch
-        write_sidecar(local, sidecar)
+        if fence is not None:
+            sidecar["lease_epoch"] = fence.epoch
+        # Beside the directory, not in it: the directory goes up first, the sidecar last.
+        sidecar_file = local.parent / f"{local.name}.{SIDECAR}"
+        sidecar_file.write_text(json.dumps(sidecar, indent=2) + "\n")
     mode = CheckpointUploadMode.ASYNC if cfg.checkpoint.async_upload and not wait_for_upload else CheckpointUploadMode.SYNC
+
+    def upload(checkpoint, dir_name: str):
+        # Ray Train's documented upload hook (in its upload thread when ASYNC): the same copy its
+        # own does, into the same directory, with the lease checked before the sidecar. Ray
+        # retries a failed upload, so the sidecar's file goes only once it is up.
+        ckpt_uri = join(cfg.run_uri, dir_name)
+        commit_checkpoint(store, Path(checkpoint.path), ckpt_uri, fence, sidecar=sidecar_file)
+        if sidecar_file is not None:
+            sidecar_file.unlink(missing_ok=True)
+        fs, path = store.resolve(ckpt_uri)
+        return Checkpoint(path, filesystem=fs)
+
     ray.train.report(dict(metrics or {"step": step}), checkpoint=Checkpoint.from_directory(str(local)),
                      checkpoint_dir_name=checkpoint_dir_name(step), checkpoint_upload_mode=mode,
-                     delete_local_checkpoint_after_upload=True, validation=validate)
+                     delete_local_checkpoint_after_upload=True, checkpoint_upload_fn=upload, validation=validate)
     if mode == CheckpointUploadMode.SYNC:
         shutil.rmtree(local, ignore_errors=True)
 
@@ -206,26 +323,44 @@ def gather_file_sizes(local_dir: Path, step: int) -> dict[str, int]:
     return merged
 
 
+def choose_resume_checkpoint(store: Store, run_uri: str, registered_path: Optional[str]) -> tuple[str, Optional[str]]:
+    """What to resume from: ("registered", None) for Ray Train's registered checkpoint (its
+    path: `registered_path`), ("storage", uri) for a newer usable one in storage, ("none", None)
+    for the start. With async uploads a checkpoint can be fully up when its node dies but not yet
+    registered by Ray's controller (which learns of it on its next poll); resuming from it saves
+    the steps since the registered one (a just-in-time checkpoint is the typical case). A
+    checkpoint committed by a driver that had lost the run is never chosen, registered or not:
+    the lost driver's own controller may have registered it."""
+    verdicts = judge_checkpoints(store, run_uri)
+    usable = [v.uri for v in verdicts if v.usable]
+    registered_step = step_of(registered_path) if registered_path is not None else -1
+    for verdict in verdicts:
+        if verdict.fenced_out is not None:
+            log.warning("not resuming from %s: %s", verdict.uri, verdict.fenced_out)
+            if step_of(verdict.uri) == registered_step:
+                registered_path, registered_step = None, -1
+    if usable and step_of(usable[-1]) > registered_step:
+        return "storage", usable[-1]
+    return ("registered", None) if registered_path is not None else ("none", None)
+
+
 def select_resume_checkpoint(registered, store: Store, run_uri: str, rank: int):
-    """The checkpoint to resume from: Ray Train's latest registered one, or a newer complete one
-    in storage. With async uploads a checkpoint can be fully up when its node dies but not yet
-    registered by Ray's controller (which learns of it on its next poll); resuming from it
-    saves the steps since the registered one (a just-in-time checkpoint is the typical case).
-    Rank 0 decides and broadcasts, so every rank loads the same one."""
+    """The checkpoint to resume from (`choose_resume_checkpoint`). Rank 0 decides and
+    broadcasts, so every rank loads the same one."""
     import ray.train
     import torch.distributed as dist
 
     choice = [None]
     if rank == 0:
-        latest = find_latest_checkpoint(store, run_uri)
-        registered_step = step_of(registered.path) if registered is not None else -1
-        if latest is not None and step_of(latest) > registered_step:
-            choice[0] = latest
+        choice[0] = choose_resume_checkpoint(store, run_uri, registered.path if registered is not None else None)
     if dist.is_initialized():
         dist.broadcast_object_list(choice, src=0)
-    if choice[0] is None:
+    kind, uri = choice[0]
+    if kind == "registered":
         return registered
-    fs, path = store.resolve(choice[0])
+    if kind == "none":
+        return None
+    fs, path = store.resolve(uri)
     return ray.train.Checkpoint(path, filesystem=fs)
 
 

@@ -29,6 +29,13 @@ from app.compat import (RAY_PREEMPTION_WATCHER_ENV, build_preemption_callback, c
 
 log = logging.getLogger("eft.elastic")
 
+# How long a controller callback waits for the run lease. The callbacks run on Ray Train's
+# controller loop, which decides nothing (no poll of the workers, no restart) while one runs; a
+# patient read rides out an outage for minutes. At the bound the lease counts as unknown, not
+# lost: the decision goes ahead as Ray would take it, and an event is not recorded. A lost run
+# is still stopped: its workers check the lease, patiently, before every commit and at start.
+LEASE_READ_BOUND_S = 10.0
+
 
 def live_node_ids() -> frozenset:
     import ray
@@ -134,7 +141,7 @@ class ControllerEvents:
 
         try:
             if self.fence is not None:  # a controller whose driver lost the run records nothing
-                self.fence.check(self.store)
+                self.fence.check(self.store, timeout_s=LEASE_READ_BOUND_S)
             record_event(self.store, self.run_uri, kind, **fields)
         except Exception as err:  # storage trouble must not fail the controller
             log.warning("could not record %s: %s", kind, err)
@@ -228,7 +235,9 @@ def build_fence_callback():
     fence (the lease epoch the run was started with, app.lease.Fence). A group whose workers
     found the lease lost at a commit fails, and this turns Ray Train's retry into the end of the
     run: a restarted group of a driver that lost its run would only fail at its first commit
-    again, holding nodes the new holder needs. None if this Ray has no controller callbacks."""
+    again, holding nodes the new holder needs. A lease not read within LEASE_READ_BOUND_S (an
+    outage) does not hold the decision up: it goes ahead as Ray takes it. None if this Ray has
+    no controller callbacks."""
     ControllerCallback = controller_callback_base()
     if ControllerCallback is None:
         return None
@@ -251,11 +260,11 @@ def build_fence_callback():
             if self.fence is None:
                 return
             try:
-                self.fence.check(self.store)
+                self.fence.check(self.store, timeout_s=LEASE_READ_BOUND_S)
             except LeaseError as lost:
                 log.error("%s", lost)
                 raise ControllerError(lost) from None
-            except Exception as err:  # storage trouble: decide as Ray would have
+            except Exception as err:  # storage trouble, or no answer within the bound: decide as Ray would have
                 log.warning("run lease not checked (%s: %s)", type(err).__name__, err)
 
         def before_controller_execute_resize_decision(self, resize_decision) -> None:

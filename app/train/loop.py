@@ -506,14 +506,16 @@ def maybe_checkpoint(w: Worker) -> None:
         watch.grow.acknowledge_when_up(before_grow, step, cfg.checkpoint.before_grow_timeout_s)
     with rec.timer.phase("checkpoint"):
         began = time.monotonic()
-        if w.fence is not None:  # every rank: no rank's files go up once the run has another driver
+        # Every rank: no rank's files go up once the run has another driver. Rank 0 checks again
+        # after its upload, right before the sidecar's commit (ckpt.commit_checkpoint): with an
+        # async upload, the run may change hands while it goes up.
+        if w.fence is not None:
             w.fence.check(w.store)
         # Lines first: a checkpoint never exists without the metrics up to its step.
         rec.metrics.flush()
         ckpt.save(cfg, w.store, w.model.module, w.model.optimizer, step=step, rows_consumed=p.rows_consumed,
                   world_size=w.world, metrics=rec.metrics.latest(), rank=w.rank, lineage=w.data.lineage,
-                  wait_for_upload=wait_for_upload, lease_epoch=w.fence.epoch if w.fence is not None else None,
-                  validate=should_validate(cfg, step, periodic, last))
+                  wait_for_upload=wait_for_upload, fence=w.fence, validate=should_validate(cfg, step, periodic, last))
     if watch.preemption is not None:
         watch.preemption.record_save(time.monotonic() - began, uploaded=wait_for_upload)
     rec.heartbeat.beat(step, force=True)
