@@ -75,6 +75,9 @@ def executed(s3, ray_cluster, base_cache):
         f"LORA_RANKS = {RANKS!r}",
         f"RUN_PREFIX = {prefix!r}",
         f"BASE_CACHE_DIR = {str(base_cache)!r}",
+        # One eval actor: the base, the checkpoint and the export are scored by the same code at
+        # any pool size (tests/test_train.py checks 1 against 3); each actor is a process to start.
+        'OVERRIDES = ["eval.num_actors=1"]',
     ]), metadata={"tags": ["injected-parameters"]})
     nb.cells.insert(nb.cells.index(tagged(nb, "parameters")) + 1, injected)
     # The kernel gets the S3 endpoint and credentials the `s3` fixture put in os.environ.

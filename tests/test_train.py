@@ -202,12 +202,17 @@ def test_checkpoints_are_scored_while_training_goes_on(straight_run, mlflow_uri,
     assert sorted(h.step for h in client.get_metric_history(mlrun.info.run_id, "eval_exact_match")) == [6, 12]
 
 
-def test_eft_eval_on_1_and_3_actors_gives_the_validation_tasks_predictions(straight_run, tmp_path, capsys):
+def test_eft_eval_on_1_and_3_actors_one_lost_midway_gives_the_validation_tasks_predictions(
+        straight_run, tmp_path, monkeypatch, caplog, capsys):
     """The Ray Data pipeline (1 actor, then 3 through the CLI) predicts bit for bit what the
-    in-process validation task predicted for the same checkpoint."""
+    in-process validation task predicted for the same checkpoint. In the 3-actor pass one actor's
+    process exits at its first batch (as with its node reclaimed): the batches it had not returned
+    run again on a new pool, and cost only that."""
     import yaml
 
+    import app.eval.engine as engine
     from app.cli import main
+    from app.dev.faults import ExitOnce
     from app.eval.results import load_predictions
     from app.eval.run import run_eval
 
@@ -218,37 +223,21 @@ def test_eft_eval_on_1_and_3_actors_gives_the_validation_tasks_predictions(strai
     one = run_eval(cfg, store, checkpoint="12")
     assert one["num_actors"] == 1
     assert load_predictions(store, cfg.run_uri, "step-000012") == during
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-    assert main(["eval", str(path), "--checkpoint", "12", "--set", "eval.num_actors=3"]) == 0
-    assert store.read_json(join(cfg.run_uri, "eval", "step-000012", "results.json"))["num_actors"] == 3
-    assert load_predictions(store, cfg.run_uri, "step-000012") == during
-    out = capsys.readouterr().out
-    assert "95% interval" in out and "step-000012: examples" in out
 
-
-def test_an_eval_actor_lost_midway_costs_only_the_batches_it_had_not_returned(straight_run, tmp_path, monkeypatch,
-                                                                               caplog):
-    """An actor whose process exits at its first batch (as with its node reclaimed): the batches
-    not yet returned run again on a new pool, and the predictions are the validation task's."""
-    import app.eval.engine as engine
-    from app.dev.faults import ExitOnce
-    from app.eval.results import load_predictions
-    from app.eval.run import run_eval
-
-    cfg, _, _ = straight_run
-    store = Store()
-    during = load_predictions(store, cfg.run_uri, "step-000012")
     marker = tmp_path / "exited"
     monkeypatch.setattr(engine, "ScoreEval", type("ExitingScoreEval", (ExitOnce, engine.ScoreEval),
                                                   {"marker": str(marker)}))
-    two = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"num_actors": 2})})
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     with caplog.at_level("WARNING", logger="eft.cluster"):
-        results = run_eval(two, store, checkpoint="12")
+        assert main(["eval", str(path), "--checkpoint", "12", "--set", "eval.num_actors=3"]) == 0
     assert marker.exists()
     assert any("eval: an actor was lost (ActorDiedError)" in r.getMessage() for r in caplog.records)
-    assert results["n"] == 12 and results["num_actors"] == 2
+    results = store.read_json(join(cfg.run_uri, "eval", "step-000012", "results.json"))
+    assert results["num_actors"] == 3 and results["n"] == 12
     assert load_predictions(store, cfg.run_uri, "step-000012") == during
+    out = capsys.readouterr().out
+    assert "95% interval" in out and "step-000012: examples" in out
 
 
 def test_an_eval_pool_the_cluster_cannot_hold_fails_in_one_line_naming_its_key(straight_run, monkeypatch):
