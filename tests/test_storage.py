@@ -375,10 +375,13 @@ def test_a_checkpoint_in_storage_is_read_by_ranges_of_what_is_loaded(s3, monkeyp
 def test_s3_clients_are_built_on_each_stores_own_session_not_on_boto3s_shared_one(s3, monkeypatch):
     """The lease's renewal thread, Ray's upload threads and the training thread all make S3
     requests through boto3. boto3.client() builds every client on one process-wide default
-    session, which is not thread-safe; a Store builds its clients on a session of its own."""
+    session, which is not thread-safe; a Store builds its clients on a session of its own, and
+    the reference log-probs' ETag listing uses the store's."""
     import threading
 
     import boto3
+
+    from app.data.reference import list_s3_etags
 
     monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)
     store, uri, failures = Store(), "s3://eft/storage-tests/sessions/object", []
@@ -388,6 +391,7 @@ def test_s3_clients_are_built_on_each_stores_own_session_not_on_boto3s_shared_on
             assert store.write_if(f"{uri}-{i}", b"x" * i, None)
             assert store.read_versioned(f"{uri}-{i}", patient=True)[0] == b"x" * i
             store.check_reachable(uri)
+            assert f"object-{i}" in list_s3_etags(store, "s3://eft/storage-tests/sessions", (f"-{i}",))
         except Exception as err:  # handed to the test's thread
             failures.append(err)
 

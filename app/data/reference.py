@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 
 from app.config import JobConfig
 from app.data.manifest import commit_manifest, load_manifest
-from app.storage import Store, boto3_config, is_s3, join, s3_endpoint
+from app.storage import Store, boto3_config, is_s3, join
 
 log = logging.getLogger(__name__)
 
@@ -76,13 +76,11 @@ def list_weight_versions(store: Store, model_uri: str) -> dict[str, str]:
 def list_s3_etags(store: Store, uri: str, suffixes: tuple[str, ...]) -> dict[str, str]:
     """{path under `uri`: ETag} of the objects whose names end in `suffixes`. app.storage lists
     through pyarrow, whose file infos carry no ETag: this lists through boto3 with the store's
-    endpoint, region and retry settings."""
-    import boto3
-
+    endpoint, region and retry settings, on the store's own boto3 session (never boto3's shared
+    default one, which is not thread-safe: app.storage.Store.boto3_client)."""
     bucket, _, key = uri[len("s3://"):].partition("/")
     prefix = key.strip("/") + "/" if key.strip("/") else ""
-    client = boto3.client("s3", endpoint_url=s3_endpoint(store.endpoint), region_name=store.region,
-                          config=boto3_config())
+    client = store.boto3_client("patient", boto3_config())
     found = {}
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
         for item in page.get("Contents", []):
