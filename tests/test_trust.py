@@ -181,13 +181,6 @@ def test_resume_on_another_dataset_is_refused_unless_overridden(trained, caplog)
         f"but data.uri {OTHER_DATA} now holds dataset {other[:12]}; set checkpoint.resume_on_new_data: true to "
         f"continue on the new data, or use a new run name")
 
-    # The same URI prepared anew is another dataset too.
-    reprepared = dataset_fingerprint(prepare_dataset(make_cfg("prep", prepare={"overwrite": True}), store))
-    assert reprepared != old
-    with pytest.raises(ResumeError, match=f"data.uri {DATA} now holds dataset {reprepared[:12]}") as info:
-        check_resume(cfg, store)
-    assert f"dataset {old[:12]} at {DATA}" in str(info.value) and "checkpoint.resume_on_new_data" in str(info.value)
-
     # The override: a warning, training goes on from step 12, and the new data is recorded.
     moved = make_cfg("straight", data={"uri": OTHER_DATA}, training={"max_steps": 13},
                      checkpoint={"resume_on_new_data": True})
@@ -203,6 +196,17 @@ def test_resume_on_another_dataset_is_refused_unless_overridden(trained, caplog)
     assert ckpt.load_sidecar(store, latest)["dataset"] == recorded
     assert ckpt.load_train_state(store, latest)["dataset"] == recorded
     check_resume(moved.model_copy(update={"checkpoint": cfg.checkpoint}), store)  # the new data is now the run's
+
+    # The same URI prepared anew is another dataset too. (Prepared anew at OTHER_DATA, the run's
+    # data now: DATA is the session's shared dataset, which other modules read.)
+    reprepared = dataset_fingerprint(prepare_dataset(make_cfg("prep", data={"uri": OTHER_DATA},
+                                                              prepare={"overwrite": True}), store))
+    assert reprepared != recorded["fingerprint"]
+    back = make_cfg("straight", data={"uri": OTHER_DATA}, training={"max_steps": 13})
+    with pytest.raises(ResumeError, match=f"data.uri {OTHER_DATA} now holds dataset {reprepared[:12]}") as info:
+        check_resume(back, store)
+    assert (f"dataset {recorded['fingerprint'][:12]} at {OTHER_DATA}" in str(info.value)
+            and "checkpoint.resume_on_new_data" in str(info.value))
 
 
 def test_demo_refuses_a_bucket_on_a_remote_endpoint(s3, monkeypatch, capsys, tmp_path):
