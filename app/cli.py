@@ -330,24 +330,22 @@ def positive_float(value: str) -> float:
     return number
 
 
-def positive_int(value: str) -> int:
+def parse_int_in(value: str, low: int, high: float, expected: str) -> int:
     try:
         number = int(value)
     except ValueError:
-        number = 0
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {value!r}")
+        number = low - 1
+    if not low <= number <= high:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {value!r}")
     return number
+
+
+def positive_int(value: str) -> int:
+    return parse_int_in(value, 1, float("inf"), "a whole number of at least 1")
 
 
 def parse_port(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        number = 0
-    if not 1 <= number <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a TCP port, 1 to 65535, got {value!r}")
-    return number
+    return parse_int_in(value, 1, 65535, "a TCP port, 1 to 65535")
 
 
 def build_parser() -> argparse.ArgumentParser:
