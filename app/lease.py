@@ -22,6 +22,14 @@ began, and whether it took the lease over from a holder that had not released it
 reader can tell that a commit stamped with an older epoch landed after a newer one began, and
 set it aside (app.elastic.checkpoint does, for checkpoints).
 
+A store dates a commit to the second, so a commit that landed just before a takeover reads as
+one that may have landed just after it, and is set aside too. A taker that knows the commits
+(`seal`: the run lease's caller lists the complete checkpoints) lists them right before its
+takeover's write and keeps each one's name and commit time with its epoch (`sealed`): those
+landed before the epoch began, whatever the clocks say; one rewritten since has another time. Without that, a holder whose workers went on committing every
+few hundred milliseconds until the takeover could leave nothing usable (Ray Train keeps only the
+newest few checkpoints, and all of them were within the second before).
+
 Expiry times are wall-clock UTC: holders are assumed to keep NTP time, well within a lifetime.
 """
 
@@ -35,7 +43,7 @@ import socket
 import threading
 import time
 import uuid
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 from app.storage import Store, join
 
@@ -78,8 +86,8 @@ def describe_owner(owner: dict) -> str:
 
 def lease_body(owner: dict, ttl_s: float, epoch: int, created_at: Optional[str] = None,
                released: bool = False, epochs: Optional[dict] = None) -> bytes:
-    """`epochs`: {epoch (a string, as JSON keys are): {"started_at", "took_over"}}, this one's
-    included (see `carry_epochs`)."""
+    """`epochs`: {epoch (a string, as JSON keys are): {"started_at", "took_over"[, "sealed"]}},
+    this one's included (see `carry_epochs`)."""
     start = now()
     expires = start if released else start + dt.timedelta(seconds=ttl_s)
     return json.dumps({"owner": owner, "epoch": epoch, "created_at": created_at or start.isoformat(),
@@ -87,38 +95,50 @@ def lease_body(owner: dict, ttl_s: float, epoch: int, created_at: Optional[str] 
                        "released": released, "epochs": epochs or {}}, indent=2).encode()
 
 
-def list_epochs(lease: Optional[dict]) -> dict[int, tuple[float, bool]]:
-    """{epoch: (when it began, in epoch seconds; whether it took the lease over from a holder that
-    had not released it)} of a lease. A lease written before epochs were kept gives its current
+class EpochStart(NamedTuple):
+    began: float  # epoch seconds
+    took_over: bool  # from a holder that had not released the lease, so it may still be committing
+    sealed: dict  # {name: commit time} of the commits complete right before this epoch's write
+
+
+def list_epochs(lease: Optional[dict]) -> dict[int, EpochStart]:
+    """{epoch: EpochStart} of a lease. A lease written before epochs were kept gives its current
     epoch alone, from `created_at`, counted as a takeover (the cautious reading)."""
     if not lease:
         return {}
     epochs = {}
     for epoch, entry in (lease.get("epochs") or {}).items():
         try:
-            epochs[int(epoch)] = (dt.datetime.fromisoformat(entry["started_at"]).timestamp(),
-                                  bool(entry.get("took_over", True)))
+            sealed = entry.get("sealed") or {}
+            epochs[int(epoch)] = EpochStart(dt.datetime.fromisoformat(entry["started_at"]).timestamp(),
+                                            bool(entry.get("took_over", True)),
+                                            {str(k): v for k, v in sealed.items()} if isinstance(sealed, dict) else {})
         except (KeyError, TypeError, ValueError, AttributeError):
             continue  # a foreign entry: judged by the others
     try:
         current = dt.datetime.fromisoformat(lease["created_at"]).timestamp()
-        epochs.setdefault(int(lease.get("epoch", 0)), (current, True))
+        epochs.setdefault(int(lease.get("epoch", 0)), EpochStart(current, True, {}))
     except (KeyError, TypeError, ValueError):
         pass
     return epochs
 
 
-def carry_epochs(held: Optional[dict], current: bool, epoch: int, started_at: str) -> dict:
+def carry_epochs(held: Optional[dict], current: bool, epoch: int, started_at: str,
+                 sealed: Optional[dict] = None) -> dict:
     """The epochs a new holder writes: those the lease it takes (`held`; `current`: whether
     there was an object at all) kept, its holder's own from `created_at` if it kept none, then
     this one, the newest EPOCHS_KEPT of them. `took_over`: the lease was there and not released
-    (expired, or unreadable), so its holder may still be committing."""
+    (expired, or unreadable), so its holder may still be committing. `sealed`: the commits the
+    taker saw complete before its write (kept only for a takeover: a release fences nothing)."""
     epochs: dict[int, dict] = {}
     if held:
         epochs.update({int(k): v for k, v in (held.get("epochs") or {}).items() if str(k).isdigit()})
         if held.get("created_at"):
             epochs.setdefault(int(held.get("epoch", 0)), {"started_at": held["created_at"], "took_over": True})
-    epochs[epoch] = {"started_at": started_at, "took_over": current and not (held and held.get("released"))}
+    took_over = current and not (held and held.get("released"))
+    epochs[epoch] = {"started_at": started_at, "took_over": took_over}
+    if took_over and sealed:
+        epochs[epoch]["sealed"] = dict(sorted(sealed.items()))
     return {str(k): epochs[k] for k in sorted(epochs)[-EPOCHS_KEPT:]}
 
 
@@ -148,12 +168,14 @@ def read_lease(store: Store, uri: str, patient: bool = False) -> Optional[dict]:
 class Lease:
     """One held lease object. `start()` takes it, a thread renews it, `stop()` releases it.
     `keep_epoch`: release by marking it expired (the epoch survives for the next holder) rather
-    than deleting it."""
+    than deleting it. `seal`: {name: commit time} of the commits complete under the prefix;
+    called right before a takeover's write, its answer kept with the new epoch (see the module's
+    docstring)."""
 
     def __init__(self, store: Store, uri: str, owner: dict, label: str, ttl_s: float = LEASE_TTL_S,
-                 keep_epoch: bool = False):
+                 keep_epoch: bool = False, seal: Optional[Callable[[], dict]] = None):
         self.store, self.uri, self.owner, self.label, self.ttl_s = store, uri, owner, label, ttl_s
-        self.keep_epoch = keep_epoch
+        self.keep_epoch, self.seal = keep_epoch, seal
         self._lock = threading.Lock()  # the renewing thread and a pre-commit check
         self.version: Optional[str] = None
         self.created_at: Optional[str] = None
@@ -182,8 +204,11 @@ class Lease:
                             describe_owner(held["owner"]) if held else "an unreadable lease",
                             held["expires_at"] if held else "?")
             epoch = int(held.get("epoch", 0)) + 1 if held else 1
+            # Listed before the epoch's start is stamped: a commit that lands after the listing
+            # is judged by the clocks, with their slack.
+            sealed = self._list_sealed() if current is not None and not (held and held.get("released")) else None
             started, taken_at = time.monotonic(), now().isoformat()
-            epochs = carry_epochs(held, current is not None, epoch, taken_at)
+            epochs = carry_epochs(held, current is not None, epoch, taken_at, sealed=sealed)
             body = lease_body(self.owner, self.ttl_s, epoch, created_at=taken_at, epochs=epochs)
             version = self.store.write_if(self.uri, body, current[1] if current else None)
             if version is None:
@@ -193,6 +218,16 @@ class Lease:
                 self.epochs, self.renewed_at = epochs, started
                 return
         raise LeaseError(f"{self.label}: could not take the lease {self.uri} (other writers keep taking it)")
+
+    def _list_sealed(self) -> Optional[dict]:
+        if self.seal is None:
+            return None
+        try:
+            return self.seal()
+        except Exception as err:  # nothing sealed: the clocks judge, as without a seal
+            log.warning("lease: could not list the commits under %s before taking it over (%s: %s); commits "
+                        "just before the takeover will be set aside", self.uri, type(err).__name__, err)
+            return None
 
     def wait_and_take(self, wait_s: float, poll_s: float = 2.0, clock: Callable[[], float] = time.monotonic,
                       sleep: Callable[[float], None] = time.sleep) -> None:
@@ -361,13 +396,14 @@ class Fence:
 
 # -- the run's own lease ---------------------------------------------------------------------
 
-def build_run_lease(store: Store, run_uri: str, ttl_s: float = LEASE_TTL_S) -> Lease:
+def build_run_lease(store: Store, run_uri: str, ttl_s: float = LEASE_TTL_S,
+                    seal: Optional[Callable[[], dict]] = None) -> Lease:
     """One writer per run: `eft train` holds `<run>/_lease.json` from before Ray starts to after
     the summary. Its epoch survives release, so every driver of a run has a higher one than the
-    drivers before it."""
+    drivers before it. `seal`: lists the run's complete checkpoints (see `Lease`)."""
     # "run", not "run_uri": the line names the run once, and the holder as the command it is.
     return Lease(store, lease_uri(run_uri), build_owner("eft train", run=run_uri), label=f"run {run_uri}",
-                 ttl_s=ttl_s, keep_epoch=True)
+                 ttl_s=ttl_s, keep_epoch=True, seal=seal)
 
 
 def describe_run_lease(store: Store, run_uri: str) -> Optional[dict]:

@@ -307,6 +307,51 @@ def test_a_paused_drivers_upload_that_lands_after_a_takeover_is_never_resumed_fr
     c.stop()
 
 
+def test_checkpoints_the_taker_saw_complete_stay_usable_however_close_to_the_takeover(s3, tmp_path):
+    """A's driver is gone; its workers commit until the very takeover (a store dates commits to
+    the second, and Ray Train keeps only the newest few). B lists the complete checkpoints right
+    before its takeover's write and keeps them with its epoch: those stay usable even within the
+    slack, where the clocks alone set them aside; one that landed after B's write is still set
+    aside, and so is a sealed one rewritten since (its commit time changed)."""
+    from app.elastic import checkpoint as ckpt_mod
+    from app.lease import EpochStart
+
+    store, run_uri = Store(), f"s3://eft/runs-lease/{uuid.uuid4().hex[:8]}"
+
+    def ckpt(step: int) -> str:
+        return join(run_uri, f"checkpoint-{step:08d}")
+
+    a = build_run_lease(store, run_uri, ttl_s=0.5)
+    a.take()  # never renewed
+    fence_a = Fence.from_dict(a.fence().to_dict())
+    time.sleep(0.6)  # expired, not taken over: A's workers still commit
+    commit_checkpoint = ckpt_mod.commit_checkpoint
+    commit_checkpoint(store, ckpt_uri=ckpt(2), fence=fence_a, **save_local_checkpoint(tmp_path / "a2", 2, epoch=1))
+    commit_checkpoint(store, ckpt_uri=ckpt(4), fence=fence_a, **save_local_checkpoint(tmp_path / "a4", 4, epoch=1))
+
+    b = build_run_lease(store, run_uri, seal=lambda: ckpt_mod.list_committed(store, run_uri))
+    b.take()
+    assert b.epoch == 2
+    # A commit that passed A's fence just before B's write, and landed just after it.
+    commit_checkpoint(store, ckpt_uri=ckpt(6), **save_local_checkpoint(tmp_path / "a6", 6, epoch=1))
+    lease = read_lease(store, join(run_uri, "_lease.json"))
+    assert sorted(lease["epochs"]["2"]["sealed"]) == ["checkpoint-00000002", "checkpoint-00000004"]
+    verdicts = {v.uri: v for v in ckpt_mod.judge_checkpoints(store, run_uri)}
+    assert verdicts[ckpt(2)].usable and verdicts[ckpt(4)].usable
+    assert verdicts[ckpt(6)].fenced_out, verdicts[ckpt(6)]
+    assert ckpt_mod.choose_resume_checkpoint(store, run_uri, None) == ("storage", ckpt(4))
+
+    # Within the slack the clocks alone set a commit aside; the seal keeps it, for that commit time.
+    _, sidecar, committed_at = ckpt_mod.inspect_checkpoint(store, ckpt(4))
+    began = committed_at + ckpt_mod.COMMIT_TIME_SLACK_S / 2
+    unsealed = {2: EpochStart(began, True, {})}
+    sealed = {2: EpochStart(began, True, {"checkpoint-00000004": committed_at})}
+    assert ckpt_mod.check_commit_epoch(sidecar, committed_at, unsealed, name="checkpoint-00000004")
+    assert ckpt_mod.check_commit_epoch(sidecar, committed_at, sealed, name="checkpoint-00000004") is None
+    # A sealed name whose sidecar was written again after the listing is judged by the clocks.
+    assert ckpt_mod.check_commit_epoch(sidecar, committed_at + 0.25, sealed, name="checkpoint-00000004")
+
+
 def describe_owner_of(lease) -> str:
     from app.lease import describe_owner
 

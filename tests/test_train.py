@@ -715,7 +715,8 @@ def test_a_paused_driver_then_a_killed_one_hand_the_run_on_and_it_ends_on_one_tr
     summary = run_training(cfg, wait_s=60)
 
     assert summary["status"] == "succeeded" and summary["steps"] == steps and summary["lease_epoch"] == 3
-    assert summary["driver_restarts"] == 2
+    assert summary["driver_restarts"] == 2, [(e["lease_epoch"], e["resumed"]) for e in load_events(store, cfg.run_uri)
+                                             if e["kind"] == "driver_start"]
     causes = [i["cause"] for i in summary["interruptions"]]
     assert causes and set(causes) == {"driver_restart"}, summary["interruptions"]
     lease = read_lease(store, lease_at)

@@ -16,7 +16,9 @@ sidecar up, so an upload that outlived its driver's
 hold on the run (a paused driver, taken over meanwhile) is never completed. The check is a read
 before a write, so a takeover landing between the two still lets one sidecar through: on
 resume, a checkpoint whose sidecar names an epoch older than one that had already begun when
-the sidecar landed is set aside (`judge_checkpoints`), whatever its step.
+the sidecar landed is set aside (`judge_checkpoints`), whatever its step, unless the driver that
+began that epoch saw it complete right before its takeover (`list_committed`: the lease keeps
+them as the epoch's `sealed`), so a store's one-second dates never set aside every checkpoint.
 
 A bucket is a trust boundary: DCP's `.metadata` is a pickle, so whoever can write the bucket can
 run code in whoever unpickles it. Loading a checkpoint into training or export does (DCP has no
@@ -38,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from app.lease import Fence, lease_uri, list_epochs, read_lease
+from app.lease import EpochStart, Fence, lease_uri, list_epochs, read_lease
 from app.storage import Store, StorageError, join
 
 log = logging.getLogger("eft.checkpoint")
@@ -121,23 +123,40 @@ def _utc(seconds: float) -> str:
     return dt.datetime.fromtimestamp(seconds, dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def check_commit_epoch(sidecar: dict, committed_at: Optional[float],
-                       epochs: dict[int, tuple[float, bool]]) -> Optional[str]:
-    """None unless the checkpoint was committed by a driver that had already lost the run: its
-    sidecar names a lease epoch older than one that began before storage took the sidecar (or
-    within COMMIT_TIME_SLACK_S after, for an epoch that took the run over). `epochs`: {epoch:
-    (start in epoch seconds, took over)} (app.lease.list_epochs)."""
+def check_commit_epoch(sidecar: dict, committed_at: Optional[float], epochs: dict[int, EpochStart],
+                       name: str = "") -> Optional[str]:
+    """None unless the checkpoint `name` was committed by a driver that had already lost the
+    run: its sidecar names a lease epoch older than one that began before storage took the
+    sidecar (or within COMMIT_TIME_SLACK_S after, for an epoch that took the run over), and that
+    epoch's taker did not see it complete, with this commit time, right before it took over
+    (`sealed`). `epochs`: app.lease.list_epochs."""
     epoch = sidecar.get("lease_epoch")
     if epoch is None or committed_at is None:
         return None  # an unfenced run (no lease), or a store that dates nothing: nothing to judge by
-    newer = [(at, took_over, e) for e, (at, took_over) in epochs.items() if e > int(epoch)]
+    newer = [(start, e) for e, start in epochs.items() if e > int(epoch)]
     if not newer:
         return None
-    began, took_over, by = min(newer)
-    if committed_at + (COMMIT_TIME_SLACK_S if took_over else 0.0) <= began:
+    # The earliest newer epoch decides: one committed before it began was before all the others.
+    first, by = min(newer, key=lambda pair: (pair[0].began, pair[1]))
+    if committed_at + (COMMIT_TIME_SLACK_S if first.took_over else 0.0) <= first.began:
+        return None
+    if name in first.sealed and first.sealed[name] == committed_at:
         return None
     return (f"committed by lease epoch {epoch} at {_utc(committed_at)}, after epoch {by} took the run over at "
-            f"{_utc(began)}: a driver that had lost the run")
+            f"{_utc(first.began)}: a driver that had lost the run")
+
+
+def list_committed(store: Store, run_uri: str, newest: int = 8) -> dict[str, Optional[float]]:
+    """{name: commit time} of the complete checkpoints among a run's `newest` checkpoint
+    directories: what a driver taking the run lease over seals (app.lease.Lease's `seal`).
+    Only the newest matter: the older ones landed long before any takeover."""
+    names = sorted(d for d in store.list_dirs(run_uri) if d.startswith(CHECKPOINT_PREFIX))[-newest:]
+    committed = {}
+    for name in names:
+        incomplete, _, committed_at = inspect_checkpoint(store, join(run_uri, name))
+        if incomplete is None:
+            committed[name] = committed_at
+    return committed
 
 
 def is_complete(store: Store, ckpt_uri: str) -> bool:
@@ -176,7 +195,7 @@ def judge_checkpoints(store: Store, run_uri: str) -> list[Verdict]:
         if incomplete is None and sidecar.get("lease_epoch") is not None:
             if epochs is None:  # read once, and only for a run whose checkpoints carry epochs
                 epochs = list_epochs(read_lease(store, lease_uri(run_uri)))
-            fenced_out = check_commit_epoch(sidecar, committed_at, epochs)
+            fenced_out = check_commit_epoch(sidecar, committed_at, epochs, name=uri.rsplit("/", 1)[-1])
         verdicts.append(Verdict(uri, incomplete, fenced_out))
     return verdicts
 

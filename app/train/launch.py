@@ -128,7 +128,8 @@ def run_training(cfg: JobConfig, store: Store | None = None, train_fn=None, wait
     log.info("training.parallelism %s: %s", cfg.training.parallelism, why)
     check_resume(cfg, store)
     # One writer per run, before Ray starts and before anything is written under the run.
-    lease = build_run_lease(store, cfg.run_uri, ttl_s=cfg.fault_tolerance.run_lease_ttl_s).start(wait_s=wait_s)
+    lease = build_run_lease(store, cfg.run_uri, ttl_s=cfg.fault_tolerance.run_lease_ttl_s,
+                            seal=lambda: ckpt.list_committed(store, cfg.run_uri)).start(wait_s=wait_s)
     try:
         try:
             init_ray(log_to_driver=True)
