@@ -97,17 +97,18 @@ def run_scenario(cluster: chaos.LocalCluster, out_path: str, base_uri: str, data
     log["summary"] = result.get("summary")
     log["recovery_s"] = {"preemption": run.recovery_after(log["removed_at"]),
                          "hard_kill": run.recovery_after(log["killed_at"])}
-    # The same run, uninterrupted on a fixed 3 workers: the reference trajectory. It runs just past
-    # the last restart (the steps redone after the hard kill, then REFERENCE_PAST_RESTART new ones
-    # on 2 workers): after that the run is one group stepping on, which the steps before already
-    # compared. The schedule is constant, so a shorter run takes the same steps.
+    # The same run, uninterrupted on 1 worker: the reference trajectory (the world size changes
+    # only the order of the sums, as it does between the run's 3 and 2). It runs just past the
+    # last restart (the steps redone after the hard kill, then REFERENCE_PAST_RESTART new ones on
+    # 2 workers): after that the run is one group stepping on, which the steps before already
+    # compared. The schedule is constant, so a shorter run takes the same steps. One worker on a
+    # node left standing: no node to add, and two fewer worker processes to start.
     last = (log["summary"] or {}).get("interruptions", [{}])[-1]
     reference_steps = min(cfg.training.max_steps, last.get("last_step_before", cfg.training.max_steps)
                           + REFERENCE_PAST_RESTART)
-    cluster.add_node()
     # It needs only its metrics: one checkpoint, at the end.
     reference = cfg.model_copy(update={"name": "spot-reference", "scaling": cfg.scaling.model_copy(
-        update={"min_workers": 3, "max_workers": 3}), "checkpoint": cfg.checkpoint.model_copy(
+        update={"min_workers": 1, "max_workers": 1}), "checkpoint": cfg.checkpoint.model_copy(
         update={"save_every_steps": reference_steps}), "training": cfg.training.model_copy(
         update={"max_steps": reference_steps})})
     log["reference_summary"] = run_training(reference, store)
