@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("elastic", ("app.elastic",)),
     ("plan", ("app.plan", "app.kube")),
     ("eval", ("app.export", "app.eval")),
+    ("rl", ("app.rl",)),
     ("train", ("app.train",)),
     ("serve", ("app.serve",)),
     ("front", ("app.cli", "app.report", "app.dev")),

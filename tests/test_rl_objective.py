@@ -1,0 +1,205 @@
+"""GRPO's objective and rewards (app/rl), against their formulas written here in float64. No Ray:
+the trainer that feeds them (issue 39) runs in the cluster tier."""
+
+from __future__ import annotations
+
+import math
+import textwrap
+
+import pytest
+import torch
+
+from app.rl.loss import STD_EPS, group_advantages, grpo_token_loss
+from app.rl.rewards import RewardError, RewardErrors, build_one_reward, build_reward_fn
+
+
+def test_advantages_are_group_relative_scaled_or_not_and_zero_std_groups_are_counted():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.5, 0.0, 2.0])  # 3 groups of 3, the middle all right
+    scaled = group_advantages(rewards, 3)
+    plain = group_advantages(rewards, 3, scale="none")
+    for g in range(3):
+        part = [float(r) for r in rewards[g * 3:(g + 1) * 3]]
+        mean = sum(part) / 3
+        std = math.sqrt(sum((r - mean) ** 2 for r in part) / 2)  # the sample std, as TRL
+        for i, r in enumerate(part):
+            assert plain.values[g * 3 + i].item() == pytest.approx(r - mean, abs=1e-6)
+            assert scaled.values[g * 3 + i].item() == pytest.approx((r - mean) / (std + STD_EPS), abs=1e-5)
+    assert scaled.zero_std.tolist() == [False, True, False] and scaled.keep.all()
+    filtered = group_advantages(rewards, 3, filter_zero_std=True)
+    assert filtered.keep.tolist() == [True] * 3 + [False] * 3 + [True] * 3
+    with pytest.raises(ValueError, match="not whole groups of 4"):
+        group_advantages(rewards, 4)
+
+
+def reference_loss(logp, old, adv, mask, n, clip_low, clip_high, ref=None, beta=0.0) -> float:
+    """The objective token by token in float64."""
+    total = 0.0
+    for i in range(len(logp)):
+        for t in range(len(logp[i])):
+            if not mask[i][t]:
+                continue
+            ratio = math.exp(logp[i][t] - old[i][t])
+            clipped = min(max(ratio, 1 - clip_low), 1 + clip_high)
+            term = -min(ratio * adv[i], clipped * adv[i])
+            if ref is not None:
+                d = ref[i][t] - logp[i][t]
+                term += beta * (math.exp(d) - d - 1)
+            total += term
+    return total / n
+
+
+def test_the_clipped_surrogate_and_k3_equal_their_formula_on_both_clip_sides():
+    gen = torch.Generator().manual_seed(0)
+    logp = -torch.rand(4, 6, generator=gen, dtype=torch.float64) * 3
+    # Ratios far from 1 both ways, so that both bounds bind somewhere (DAPO's 0.2 / 0.28).
+    old = logp + torch.randn(4, 6, generator=gen, dtype=torch.float64) * 0.5
+    ref = logp + torch.randn(4, 6, generator=gen, dtype=torch.float64) * 0.3
+    adv = torch.tensor([1.5, -0.7, 0.0, -2.0], dtype=torch.float64)
+    mask = torch.ones(4, 6, dtype=torch.bool)
+    mask[1, 4:] = False  # padding
+    mask[3, :] = False  # a truncated completion under rl.mask_truncated: no loss at all
+    n = 40.0  # the global batch's completion tokens: this micro-batch holds only some of them
+    out = grpo_token_loss(logp, old, adv, mask, n, clip_low=0.2, clip_high=0.28, ref_logp=ref, kl_beta=0.05)
+    want = reference_loss(logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), n, 0.2, 0.28, ref.tolist(), 0.05)
+    assert out.loss.item() == pytest.approx(want, rel=1e-12)
+    ratio = torch.exp(logp - old)
+    high = (adv[:, None] > 0) & (ratio > 1.28) & mask
+    low = (adv[:, None] < 0) & (ratio < 0.8) & mask
+    assert high.any() and low.any()  # both sides were exercised
+    assert out.clipped_tokens.item() == (high | low).sum().item()
+    k3 = torch.exp(ref - logp) - (ref - logp) - 1
+    assert out.kl_sum.item() == pytest.approx((k3 * mask).sum().item(), rel=1e-12) and (k3 >= 0).all()
+    # Without β the reference changes nothing.
+    bare = grpo_token_loss(logp, old, adv, mask, n, 0.2, 0.28, ref_logp=ref, kl_beta=0.0)
+    assert bare.loss.item() == pytest.approx(reference_loss(logp.tolist(), old.tolist(), adv.tolist(),
+                                                            mask.tolist(), n, 0.2, 0.28), rel=1e-12)
+
+
+def test_on_policy_the_gradient_is_minus_advantage_times_grad_logp_over_the_global_tokens():
+    """At updates_per_batch 1 the old log-probs are the policy's own (ρ = 1): the gradient is
+    −Σ A·∇log π / N. Split over two "ranks" (micro-batches) with unequal token counts, each
+    divided by the global count, the summed gradients equal the whole batch's: the same at any
+    world size."""
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(5, 7, generator=gen, dtype=torch.float64, requires_grad=True)
+    inputs = torch.randn(3, 4, 5, generator=gen, dtype=torch.float64)
+    targets = torch.randint(0, 7, (3, 4), generator=gen)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    adv = torch.tensor([0.9, -1.3, 0.4], dtype=torch.float64)
+    n = float(mask.sum())
+
+    def token_logp(rows):
+        logits = inputs[rows] @ weight
+        return torch.log_softmax(logits, -1).gather(-1, targets[rows][..., None])[..., 0]
+
+    whole = token_logp(slice(None))
+    grpo_token_loss(whole, whole.detach(), adv, mask, n).loss.backward()
+    got = weight.grad.clone()
+    weight.grad = None
+    (-(adv[:, None] * token_logp(slice(None)) * mask).sum() / n).backward()
+    assert torch.allclose(got, weight.grad, rtol=1e-12, atol=1e-14)
+    weight.grad = None
+    for rows in (slice(0, 1), slice(1, 3)):  # rank 0: 4 tokens; rank 1: 3
+        part = token_logp(rows)
+        grpo_token_loss(part, part.detach(), adv[rows], mask[rows], n).loss.backward()
+    assert torch.allclose(got, weight.grad, rtol=1e-12, atol=1e-14)
+
+
+def test_builtin_rewards_score_as_eval_does():
+    record = {"prompt": "Is 7 even or odd?", "answer": "odd"}
+    exact = build_one_reward("exact_match")
+    assert exact(record["prompt"], "  ODD ", "odd", record) == 1.0 and exact("", "odd.", "odd", record) == 0.0
+    assert build_one_reward("contains")("", "It is odd.", ["odd", "uneven"], record) == 1.0
+    regex = build_one_reward("regex", answer_regex=r"answer: (\w+)")
+    assert regex("", "so the answer: Odd", "odd", record) == 1.0 and regex("", "odd", "odd", record) == 0.0
+    with pytest.raises(RewardError, match="^reward regex needs answer_regex"):
+        build_one_reward("regex")
+    math_ok = build_one_reward("math")
+    assert math_ok("", "The answer is $\\frac{1}{2}$", "0.5", record) == 1.0
+    assert math_ok("", "The answer is $\\frac{1}{3}$", "0.5", record) == 0.0
+
+
+def test_user_rewards_combine_and_their_errors_leave_the_record_out_never_scored_zero(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(textwrap.dedent('''
+        def length_penalty(prompt, completion, answer, record):
+            return -len(completion) / 100
+
+        def picky(prompt, completion, answer, record):
+            if record.get("id") == "bad":
+                raise KeyError("no field 'units'")
+            return 1.0
+    '''))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    errors = RewardErrors(limit=1)
+    score = build_reward_fn([("exact_match", 1.0), ("my_rewards:length_penalty", 0.5), ("my_rewards:picky", 0.1)],
+                            errors=errors)
+    good = score("q", "odd", {"id": "a", "answer": "odd"})
+    assert good.total == pytest.approx(1.0 - 0.5 * 0.03 + 0.1) and good.parts["exact_match"] == 1.0
+    bad = score("q", "odd", {"id": "bad", "answer": "odd"})
+    assert bad.total is None and bad.parts["my_rewards:picky"] is None
+    assert errors.by_reason() == {"my_rewards:picky: KeyError": 1}
+    with pytest.raises(RewardError) as over:
+        score("q", "odd", {"id": "bad", "answer": "odd"})
+    assert str(over.value) == ("reward my_rewards:picky failed 2 times, more than rl.max_reward_errors=1; last on "
+                               "record bad: KeyError: \"no field 'units'\"")
+    for name, line in [("my_rewards:nope", "reward my_rewards:nope: my_rewards has no function nope"),
+                       ("no_such_module:f", "reward no_such_module:f: cannot import no_such_module "
+                                            "(ModuleNotFoundError: No module named 'no_such_module')"),
+                       ("f1", "reward 'f1': not a built-in (exact_match, contains, regex, math) nor module:function")]:
+        with pytest.raises(RewardError) as refused:
+            build_reward_fn([(name, 1.0)])
+        assert str(refused.value) == line
+    with pytest.raises(RewardError, match="^no reward: set rl.reward or rl.rewards$"):
+        build_reward_fn([])
+
+
+@pytest.fixture(scope="module")
+def tiny_policy():
+    from app.dev.tiny import build_corpus, build_tiny_model, build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer(build_corpus(max_docs=20), vocab_size=300)
+    return build_tiny_model(tok).eval(), tok
+
+
+def test_each_completion_is_drawn_from_its_own_seed_however_the_prompts_are_batched(tiny_policy):
+    """One batch of 6, two of 3 in another order, six of 1: the same completions (the prompts
+    differ in length, so the padding, and with it every batch's shapes, differ). The step, the
+    prompt id and the sample index each change the draw."""
+    from app.rl.sampling import completion_seed, sample_completions
+
+    model, tok = tiny_policy
+    texts = ["The list", "A class is", "Functions", "The import statement", "If the", "While"]
+    prompts = [tok(t)["input_ids"] for t in texts]
+    seeds = [completion_seed(0, 3, f"p{i // 2}", i % 2) for i in range(6)]
+    kw = dict(max_new_tokens=12, stop_token_ids={tok.eos_token_id}, pad_token_id=tok.pad_token_id,
+              temperature=1.0, top_p=0.9)
+    whole = sample_completions(model, prompts, seeds, **kw)
+    order = [5, 2, 0, 4, 1, 3]
+    parts = [sample_completions(model, [prompts[i] for i in half], [seeds[i] for i in half], **kw)
+             for half in (order[:3], order[3:])]
+    shuffled = {i: (c, t) for half, part in zip((order[:3], order[3:]), parts)
+                for i, c, t in zip(half, part.tokens, part.truncated)}
+    singles = [sample_completions(model, [p], [s], **kw) for p, s in zip(prompts, seeds)]
+    for i in range(6):
+        assert shuffled[i] == (whole.tokens[i], whole.truncated[i]), i
+        assert singles[i].tokens[0] == whole.tokens[i], i
+    assert len(set(map(tuple, whole.tokens))) == 6  # sampled, not greedy: the seeds matter
+    assert len({completion_seed(0, 3, "p0", 0), completion_seed(0, 4, "p0", 0), completion_seed(0, 3, "p1", 0),
+                completion_seed(0, 3, "p0", 1), completion_seed(1, 3, "p0", 0)}) == 5
+
+
+def test_completions_stop_at_a_stop_token_and_are_truncated_at_the_limit(tiny_policy):
+    from app.rl.sampling import filter_top_p, sample_completions
+
+    model, tok = tiny_policy
+    prompt = tok("The list")["input_ids"]
+    greedy = sample_completions(model, [prompt], [0], max_new_tokens=8, stop_token_ids={tok.eos_token_id},
+                                pad_token_id=tok.pad_token_id, temperature=0)
+    first = greedy.tokens[0][0]
+    assert len(greedy.tokens[0]) == 8 and greedy.truncated == [True]
+    stopped = sample_completions(model, [prompt], [0], max_new_tokens=8, stop_token_ids={first},
+                                 pad_token_id=tok.pad_token_id, temperature=0)
+    assert stopped.tokens == [[first]] and stopped.truncated == [False]  # the stop token is part of it
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    assert filter_top_p(probs, 0.7).tolist() == [[0.625, 0.375, 0.0, 0.0]]
+    assert filter_top_p(probs, 0.1).tolist() == [[1.0, 0.0, 0.0, 0.0]]
