@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 
@@ -203,3 +204,34 @@ def test_completions_stop_at_a_stop_token_and_are_truncated_at_the_limit(tiny_po
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
     assert filter_top_p(probs, 0.7).tolist() == [[0.625, 0.375, 0.0, 0.0]]
     assert filter_top_p(probs, 0.1).tolist() == [[1.0, 0.0, 0.0, 0.0]]
+
+
+def test_rollouts_pack_whole_with_their_advantages_and_score_as_they_would_alone(tiny_policy):
+    """Prompt + completion documents packed into rows: only completion tokens are labels, each
+    carries its completion's advantage, no document crosses a row, and a completion's token
+    log-probs in its packed row equal those of the document alone (document isolation)."""
+    from app.batch import IGNORE_INDEX
+    from app.model.loss import token_logps
+    from app.rl.rollouts import NO_SAMPLE, pack_rollouts
+
+    model, tok = tiny_policy
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(5, 290, (n,), generator=gen).tolist() for n in (5, 3, 7, 4, 6)]
+    completions = [torch.randint(5, 290, (n,), generator=gen).tolist() for n in (6, 9, 2, 8, 1)]
+    advantages = np.array([0.5, -1.0, 0.25, 2.0, -0.75], dtype=np.float32)
+    packed = pack_rollouts(prompts, completions, advantages, seq_len=20, pad_id=tok.pad_token_id)
+    ids, labels, positions = (torch.as_tensor(a, dtype=torch.long) for a in packed.rows)
+    assert ids.shape[1] == 20 and packed.completion_tokens() == sum(map(len, completions))
+    assert ((labels != IGNORE_INDEX) == torch.as_tensor(packed.sample != NO_SAMPLE)).all()
+    logps = token_logps(model, ids, labels, None, positions)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        rows, cols = np.nonzero(packed.sample == i)
+        assert len(set(rows.tolist())) == 1 and labels[rows, cols].tolist() == c  # whole, in order
+        assert (packed.advantages[rows, cols] == advantages[i]).all()
+        alone_ids = torch.tensor([p + c])
+        alone_labels = torch.tensor([[IGNORE_INDEX] * len(p) + c])
+        alone = token_logps(model, alone_ids, alone_labels, None)[0, len(p):]
+        torch.testing.assert_close(logps[rows, cols], alone, rtol=1e-5, atol=1e-5)
+    assert (packed.advantages[packed.sample == NO_SAMPLE] == 0).all()
+    with pytest.raises(ValueError, match=r"^rollout 0: prompt \(5\) \+ completion \(6\) tokens exceed data.seq_len 10$"):
+        pack_rollouts(prompts, completions, advantages, seq_len=10, pad_id=tok.pad_token_id)
