@@ -26,9 +26,10 @@ A store dates a commit to the second, so a commit that landed just before a take
 one that may have landed just after it, and is set aside too. A taker that knows the commits
 (`seal`: the run lease's caller lists the complete checkpoints) lists them right before its
 takeover's write and keeps each one's name and commit time with its epoch (`sealed`): those
-landed before the epoch began, whatever the clocks say; one rewritten since has another time. Without that, a holder whose workers went on committing every
-few hundred milliseconds until the takeover could leave nothing usable (Ray Train keeps only the
-newest few checkpoints, and all of them were within the second before).
+landed before the epoch began, whatever the clocks say; one rewritten since has another time.
+Without that, a holder whose workers went on committing every few hundred milliseconds until the
+takeover could leave nothing usable (Ray Train keeps only the newest few checkpoints, and all of
+them were within the second before).
 
 Expiry times are wall-clock UTC: holders are assumed to keep NTP time, well within a lifetime.
 """

@@ -1,1 +1,2 @@
-"""Online RL with verifiable rewards (GRPO): the objective and the rewards (issue 39)."""
+"""Online RL with verifiable rewards (GRPO): group advantages and the clipped objective, rewards,
+seeded sampling and the packing of rollouts into rows (issue 39; the trainer that uses them is to come)."""

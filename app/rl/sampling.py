@@ -78,7 +78,8 @@ def sample_completions(model, prompts: list[list[int]], seeds: list[int], *, max
     stops = torch.tensor(sorted(stop_token_ids), dtype=torch.long, device=device)
     done = torch.zeros(rows, dtype=torch.bool, device=device)
     out = torch.full((rows, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
-    cache, step_ids, step_positions, lengths = None, input_ids, positions, torch.zeros(rows, dtype=torch.long)
+    cache, step_ids, step_positions = None, input_ids, positions
+    lengths = torch.zeros(rows, dtype=torch.long, device=device)
     synced = lockstep and dist.is_available() and dist.is_initialized()
     for t in range(max_new_tokens):
         # `cache`: transformers 5.x's name for the KV cache (`past_key_values` before; checked on 5.25).
@@ -95,7 +96,7 @@ def sample_completions(model, prompts: list[list[int]], seeds: list[int], *, max
             tokens = draw_tokens(probs, uniforms)
         tokens = torch.where(done, torch.full_like(tokens, pad_token_id), tokens)
         out[:, t] = tokens
-        lengths += (~done).long().cpu()
+        lengths += (~done).long()
         done = done | torch.isin(tokens, stops)
         going = (~done).any().to(torch.int32).reshape(1)
         if synced:  # one host sync per token: the rollout's, never the update's
@@ -105,6 +106,7 @@ def sample_completions(model, prompts: list[list[int]], seeds: list[int], *, max
         step_ids = tokens[:, None]
         attention = torch.cat([attention, torch.ones((rows, 1), dtype=attention.dtype, device=device)], dim=1)
         step_positions = step_positions[:, -1:] + 1
-    finished = done.cpu().tolist()
-    completions = [out[i, :int(lengths[i])].tolist() for i in range(rows)]
+    # One copy to the host at the end: the loop's only sync is whether to go on.
+    finished, lengths, out = done.cpu().tolist(), lengths.cpu().tolist(), out.cpu()
+    completions = [out[i, :lengths[i]].tolist() for i in range(rows)]
     return Completions(tokens=completions, truncated=[not f for f in finished])
