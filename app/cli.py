@@ -96,6 +96,14 @@ def cmd_prepare(args) -> int:
         tokenizer, records = preview_records(cfg, args.preview)
         render_preview(Console(highlight=False), tokenizer, records, cfg)
         return 0
+    if cfg.prepare.format == "prompts":
+        from app.rl.prompts import prepare_prompts
+
+        manifest = prepare_prompts(cfg)
+        train, val = manifest["splits"]["train"], manifest["splits"].get("validation", {})
+        print(f"prepared {cfg.data.uri}: {train['rows']} train prompts / {train['tokens']:,} tokens, "
+              f"{val.get('rows', 0)} validation prompts, {manifest['records']['skipped']} records skipped")
+        return 0
     manifest = prepare_dataset(cfg)
     train, val = manifest["splits"]["train"], manifest["splits"].get("validation", {})
     print(f"prepared {cfg.data.uri}: {train['rows']} train rows / {train['tokens']:,} tokens, "
@@ -105,6 +113,10 @@ def cmd_prepare(args) -> int:
 
 def cmd_train(args) -> int:
     cfg = _load(args)
+    if cfg.rl is not None:  # an unimportable reward is one line before storage or Ray is touched
+        from app.rl.rewards import build_reward_fn
+
+        build_reward_fn(cfg.rl.weighted_rewards(), cfg.rl.normalize, cfg.rl.answer_regex)
     from app.report import render_summary
     from app.train.launch import run_training
 

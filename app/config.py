@@ -212,10 +212,12 @@ class PrepareConfig(_Strict):
     """Which documents a mixture picks and how they interleave; independent of `training.seed`."""
     input_format: Literal["jsonl", "parquet"] = "jsonl"
     """Format of the raw files."""
-    format: Literal["text", "instruction", "chat", "sharegpt", "preference"] = "text"
+    format: Literal["text", "instruction", "chat", "sharegpt", "preference", "prompts"] = "text"
     """Record format: plain text, prompt/response pairs, OpenAI-style `messages`, ShareGPT
-    `conversations`, or `preference` pairs (a prompt with a chosen and a rejected completion, as
-    strings or as messages: TRL's standard and conversational forms) for the preference objectives."""
+    `conversations`, `preference` pairs (a prompt with a chosen and a rejected completion, as
+    strings or as messages: TRL's standard and conversational forms) for the preference objectives,
+    or `prompts` for GRPO: eval-set records (`prompt` or `messages`, `answer`, any other fields a
+    reward reads), rendered as eval renders them and stored unpacked with a stable prompt id."""
     text_field: str = "text"
     """Field of a `text` record."""
     prompt_field: str = "instruction"
@@ -285,6 +287,8 @@ class PrepareConfig(_Strict):
             raise ValueError("prepare.inputs is empty (list at least one {uri, weight})")
         if self.inputs is not None and self.engine == "ray":
             raise ValueError("prepare.engine ray does not run prepare.inputs mixtures yet (use local or auto)")
+        if self.format == "prompts" and self.inputs is not None:
+            raise ValueError("prepare.format prompts does not mix sources (use prepare.input_uri)")
         if self.format == "preference":
             if self.inputs is not None:
                 raise ValueError("prepare.format preference does not mix sources yet (use prepare.input_uri)")
@@ -362,10 +366,12 @@ class TrainingConfig(_Strict):
     trace_rows: bool = False
     """Record the row_ids of every optimizer step in the run's metrics (one all-gather per logged
     step)."""
-    objective: Literal["sft", "dpo", "simpo", "orpo"] = "sft"
+    objective: Literal["sft", "dpo", "simpo", "orpo", "grpo"] = "sft"
     """`sft`: next-token loss on the labelled tokens. `dpo`, `simpo`, `orpo`: preference tuning on a
     dataset prepared with `prepare.format: preference` (the `preference` section sets them up); the
-    loss is normalized per pair over the global batch."""
+    loss is normalized per pair over the global batch. `grpo`: online RL with verifiable rewards on
+    a prompt set prepared with `prepare.format: prompts` (the `rl` section sets it up; docs/rl.md);
+    the loss is normalized over the global batch's completion tokens."""
 
     @model_validator(mode="after")
     def _one_length(self) -> "TrainingConfig":
@@ -427,6 +433,103 @@ class PreferenceConfig(_Strict):
         if self.reference is not None:
             return self.reference
         return "precomputed" if objective == "dpo" else "none"
+
+
+class RewardSpec(_Strict):
+    """One reward of a weighted sum."""
+
+    reward: str
+    """A built-in (`exact_match`, `contains`, `regex`, `math`) or `module:function`."""
+    weight: float = 1.0
+    """Its weight in the step's reward."""
+
+
+RL_BUILTIN_REWARDS = ("exact_match", "contains", "regex", "math")
+
+
+class RlConfig(_Strict):
+    """GRPO (`training.objective: grpo`): what a step samples, how it is rewarded and the loss.
+    TRL's and verl's names for each key are in docs/rl.md."""
+
+    reward: Optional[str] = None
+    """One reward: a built-in (`exact_match`, `contains` and `regex` score as eval does, with
+    `normalize` and `answer_regex`; `math`: answer equivalence by math-verify) or `module:function`
+    called as `(prompt, completion, answer, record) -> float`, importable on the workers. Exactly one
+    of `reward` and `rewards`."""
+    rewards: Optional[list[RewardSpec]] = None
+    """Several rewards summed by weight, e.g. correctness plus format: `[{reward, weight}]`."""
+    normalize: bool = True
+    """The built-in metric rewards compare after stripping, case-folding and collapsing whitespace."""
+    answer_regex: Optional[str] = None
+    """The `regex` reward: the regex that extracts the answer (its first group, or the whole match)."""
+    max_reward_errors: int = Field(0, ge=0)
+    """Reward calls that may raise (each leaves its group out of the step, never scored 0) before
+    the run stops in one line naming the reward and the record."""
+    prompts_per_step: int = Field(8, gt=0)
+    """Prompts per optimizer step, at every world size (the same prompts: the seeded order)."""
+    group_size: int = Field(4, ge=2)
+    """Completions sampled per prompt; advantages are relative to the group."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling: the smallest set of tokens whose probability reaches this."""
+    max_new_tokens: int = Field(64, gt=0)
+    """A completion stops at the chat template's end of turn, EOS, or this many tokens (truncated)."""
+    rollout: Literal["colocated", "actors"] = "colocated"
+    """`colocated`: each training worker samples its share of the prompts with the current policy,
+    in process (no weights move). `actors`: a pool of rollout actors (not built yet: docs/rl.md)."""
+    rollout_actors: int = Field(0, ge=0)
+    """`rollout: actors`: the pool's size."""
+    clip_low: float = Field(0.2, ge=0, lt=1)
+    """The ratio's lower clip, 1 − clip_low."""
+    clip_high: float = Field(0.2, ge=0)
+    """The ratio's upper clip, 1 + clip_high (DAPO's clip-higher: 0.28)."""
+    kl_beta: float = Field(0.0, ge=0)
+    """Weight of the k3 estimate of KL(policy ‖ reference); the reference is the base with the LoRA
+    adapters disabled. 0: no reference forward."""
+    scale_rewards: Literal["group", "none"] = "group"
+    """Advantages are reward − group mean, divided by the group's std (`group`) or not (`none`,
+    Dr. GRPO)."""
+    filter_zero_std: bool = False
+    """Leave groups whose completions all got the same reward out of the step and its denominator
+    (they are counted either way, as `frac_zero_std`)."""
+    mask_truncated: bool = False
+    """Completions cut at `max_new_tokens` get no loss (DAPO's overlong filtering)."""
+    updates_per_batch: int = Field(1, ge=1, le=1)
+    """Optimizer steps per batch of rollouts. 1: on-policy (the ratio is 1 and the old log-probs are
+    the trainer's own forward); more is not built yet."""
+
+    @model_validator(mode="after")
+    def _one_reward(self) -> "RlConfig":
+        """Exactly one of `reward` and `rewards`; `regex` has its regex; actors have a pool."""
+        if self.reward is not None and self.rewards is not None:
+            raise ValueError("set rl.reward or rl.rewards, not both")
+        if self.rewards is not None and not self.rewards:
+            raise ValueError("rl.rewards is empty (list at least one {reward, weight})")
+        for name in self.reward_names():
+            if name not in RL_BUILTIN_REWARDS and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", name):
+                raise ValueError(f"rl reward {name!r}: not a built-in ({', '.join(RL_BUILTIN_REWARDS)}) nor "
+                                 f"module:function")
+            if name == "regex" and not self.answer_regex:
+                raise ValueError("rl reward regex needs rl.answer_regex (the regex that extracts the answer)")
+        if self.answer_regex is not None:
+            try:
+                re.compile(self.answer_regex)
+            except re.error as err:
+                raise ValueError(f"rl.answer_regex {self.answer_regex!r} is not a valid regex ({err})") from None
+        if self.rollout == "actors":
+            if self.rollout_actors == 0:
+                raise ValueError("rl.rollout actors needs rl.rollout_actors >= 1")
+            raise ValueError("rl.rollout actors is not built yet (docs/rl.md); use rl.rollout: colocated")
+        return self
+
+    def reward_names(self) -> list[str]:
+        return [self.reward] if self.reward is not None else [r.reward for r in self.rewards or []]
+
+    def weighted_rewards(self) -> list[tuple[str, float]]:
+        if self.reward is not None:
+            return [(self.reward, 1.0)]
+        return [(r.reward, r.weight) for r in self.rewards or []]
 
 
 EVAL_METRICS = ("exact_match", "contains", "regex", "acc", "acc_norm")
@@ -641,6 +744,7 @@ class JobConfig(_Strict):
     fault_tolerance: FaultToleranceConfig = Field(default_factory=FaultToleranceConfig)
     storage: StorageConfig
     eval: Optional[EvalConfig] = None
+    rl: Optional[RlConfig] = None
     serve: ServeConfig = Field(default_factory=ServeConfig)
 
     @model_validator(mode="after")
@@ -662,7 +766,8 @@ class JobConfig(_Strict):
                              f"(CPU workers have no GPU memory to plan against)")
         if s.min_workers > s.max_workers:
             raise ValueError(f"scaling.min_workers ({s.min_workers}) > scaling.max_workers ({s.max_workers})")
-        for world in range(s.min_workers, s.max_workers + 1):
+        # GRPO's steps are prompts × group, packed on each rank: the global batch does not split.
+        for world in range(s.min_workers, s.max_workers + 1) if t.objective != "grpo" else ():
             if problem := BatchPlan(t.global_batch_size, world, t.micro_batch_size).problem(t.pad_uneven_batches):
                 raise ValueError(f"{problem} (scaling.max_workers {s.max_workers})" if t.pad_uneven_batches else
                                  f"{problem} (world size {world} is in scaling.min_workers..max_workers; or set "
@@ -672,6 +777,7 @@ class JobConfig(_Strict):
                              "use training.loss: chunked on CPU")
         if self.serve.adapter and self.lora is None:
             raise ValueError("serve.adapter: true needs a lora section (a full fine-tune exports a merged model only)")
+        self._check_rl()
         self._check_preference()
         self._fill_objective_defaults()
         return self
@@ -682,10 +788,35 @@ class JobConfig(_Strict):
             if getattr(self.preference, key) is None:
                 setattr(self.preference, key, value)
 
+    def _check_rl(self) -> None:
+        """GRPO has its `rl` section and a prompt set; nothing else has either."""
+        objective, fmt = self.training.objective, self.prepare.format if self.prepare is not None else None
+        if objective != "grpo":
+            if self.rl is not None:
+                raise ValueError(f"rl: section set but training.objective is {objective} (set training.objective: "
+                                 f"grpo, or remove the section)")
+            if fmt == "prompts" and objective != "sft":
+                raise ValueError(f"training.objective {objective}: prepare.format prompts is GRPO's prompt set")
+            return
+        if self.rl is None or not self.rl.reward_names():
+            raise ValueError("training.objective grpo needs a reward: set rl.reward (exact_match, contains, regex, "
+                             "math or module:function) or rl.rewards")
+        if fmt is not None and fmt != "prompts":
+            raise ValueError(f"training.objective grpo trains on prompts: set prepare.format: prompts (it is {fmt})")
+        if self.training.eval_every_steps:
+            raise ValueError("training.eval_every_steps: grpo has no validation loss; score held-out prompts with an "
+                             "eval section (eval.every_checkpoints)")
+        if self.rl.kl_beta and self.lora is None:
+            raise ValueError("rl.kl_beta > 0 needs a lora section (the reference is the model with its adapters "
+                             "disabled; a frozen full copy is not built yet)")
+        if self.data.cross_document_attention:
+            raise ValueError("training.objective grpo: data.cross_document_attention must stay false (a row packs "
+                             "several completions that must not see each other)")
+
     def _check_preference(self) -> None:
         """The objective, its reference and the dataset's format agree."""
         objective, reference = self.training.objective, self.preference.reference_for(self.training.objective)
-        if objective == "sft":
+        if objective in ("sft", "grpo"):
             return
         if self.prepare is not None and self.prepare.format != "preference":
             raise ValueError(f"training.objective {objective} trains on pairs: set prepare.format: preference "

@@ -292,8 +292,8 @@ def estimate_memory(cfg: JobConfig, model_config, world: int, parallelism: str) 
     # The live reference: a no-grad forward of the same model (adapters off) before each
     # micro-batch's own; nothing of it is kept, so it adds one block's working set and one chunk
     # of logits at a time, never a second model.
-    reference = (int(tokens * per_layer) + 8 * min(t.loss_chunk_tokens, tokens) * m.vocab
-                 if cfg.reference_mode == "live" else 0)
+    live = cfg.reference_mode == "live" or (t.objective == "grpo" and cfg.rl.kl_beta > 0)
+    reference = int(tokens * per_layer) + 8 * min(t.loss_chunk_tokens, tokens) * m.vocab if live else 0
     buffers = m.buffer_bytes + int(tokens * 2 * m.head_dim * resid) + tokens * 16  # rotary cos/sin, ids, labels
     cuda_context = CUDA_CONTEXT_BYTES if on_gpu else 0
 
@@ -307,10 +307,25 @@ def estimate_memory(cfg: JobConfig, model_config, world: int, parallelism: str) 
     }
     if reference:
         phases["reference forward"] = persistent + in_flight + reference
+    if t.objective == "grpo":
+        phases["rollout"] = persistent + in_flight + rollout_bytes(cfg, m, world, mm)
     peak_phase = max(phases, key=phases.get)
     return MemoryEstimate(parallelism, world, int(parameters), int(gradients), int(optimizer_state),
                           int(optimizer_step), int(sharding), activations, int(loss), int(buffers), cuda_context,
                           int(phases[peak_phase]), peak_phase)
+
+
+def rollout_bytes(cfg: JobConfig, m: ModelLayout, world: int, mm: int) -> int:
+    """GRPO's colocated sampling on one rank: the KV cache of its share of the step's groups
+    (ceil(prompts_per_step / world) × group_size rows) over a whole row (prompt + completion fit
+    data.seq_len), the prefill's hidden states, and the last position's logits with the softmax,
+    top-p and CDF copies beside them. No activations: it runs without grad."""
+    rl = cfg.rl
+    rows = math.ceil(rl.prompts_per_step / world) * rl.group_size
+    kv_cache = 2 * m.layers * m.kv_dim * rows * cfg.data.seq_len * mm
+    prefill = rows * cfg.data.seq_len * (m.hidden * mm * 4 + m.intermediate * mm * 3)
+    logits = rows * m.vocab * (4 * 4 + 8)
+    return int(kv_cache + prefill + logits)
 
 
 def loss_bytes(cfg: JobConfig, m: ModelLayout, tokens: int, mm: int, storage: int, parallelism: str) -> int:
@@ -379,6 +394,13 @@ def describe_reference(cfg: JobConfig) -> Optional[str]:
     objective, mode = cfg.training.objective, cfg.reference_mode
     if objective == "sft":
         return None
+    if objective == "grpo":
+        rl = cfg.rl
+        reference = (f"; rl.kl_beta {rl.kl_beta:g}: one no-grad forward with the adapters disabled per micro-batch "
+                     f"(the `reference forward` phase)" if rl.kl_beta else "; no reference (rl.kl_beta 0)")
+        return (f"grpo: colocated rollouts of {rl.prompts_per_step} prompts x {rl.group_size} completions per step, "
+                f"each rank sampling its share over a KV cache of data.seq_len tokens per row (the `rollout` phase)"
+                + reference)
     if mode == "precomputed":
         return ("preference.reference precomputed: `eft prepare` scored the pairs once with the reference model; "
                 "training holds one model, so its memory is SFT's at the same shape")

@@ -235,3 +235,96 @@ def test_rollouts_pack_whole_with_their_advantages_and_score_as_they_would_alone
     assert (packed.advantages[packed.sample == NO_SAMPLE] == 0).all()
     with pytest.raises(ValueError, match=r"^rollout 0: prompt \(5\) \+ completion \(6\) tokens exceed data.seq_len 10$"):
         pack_rollouts(prompts, completions, advantages, seq_len=10, pad_id=tok.pad_token_id)
+
+
+GRPO_JOB = {"name": "grpo-bad", "model": {"uri": "s3://eft/models/m"}, "data": {"uri": "s3://eft/data/d", "seq_len": 64},
+            "prepare": {"input_uri": "s3://eft/raw/p.jsonl", "format": "prompts"},
+            "training": {"objective": "grpo", "max_steps": 2}, "storage": {"root_uri": "s3://eft/runs"}}
+
+
+@pytest.mark.parametrize("rl, line", [
+    (None, "config: training.objective grpo needs a reward: set rl.reward (exact_match, contains, regex, math or "
+           "module:function) or rl.rewards"),
+    ({"reward": "exact_match", "group_size": 1}, "config: rl.group_size: Input should be greater than or equal to 2"),
+    ({"reward": "regex"}, "config: rl: rl reward regex needs rl.answer_regex (the regex that extracts the answer)"),
+    ({"reward": "exact_match", "rollout": "actors"}, "config: rl: rl.rollout actors needs rl.rollout_actors >= 1"),
+    ({"reward": "exact-match"}, "config: rl: rl reward 'exact-match': not a built-in (exact_match, contains, regex, "
+                                "math) nor module:function"),
+])
+def test_a_bad_grpo_config_is_one_line(rl, line):
+    from app.config import ConfigError, build_config
+
+    with pytest.raises(ConfigError) as refused:
+        build_config({**GRPO_JOB, **({"rl": rl} if rl else {})})
+    assert str(refused.value) == line
+
+
+def test_an_unimportable_reward_is_one_line_before_storage_or_ray(tmp_path):
+    """`eft train` builds the rewards right after the config: a `module:function` that does not
+    import is one line, exit 1, with nothing heavy imported and no endpoint asked."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({**GRPO_JOB, "rl": {"reward": "no_such_module:score"}}))
+    probe = ("import sys\nfrom app.cli import main\ncode = main(['train', sys.argv[1]])\n"
+             "print(sorted(m for m in ('torch', 'ray', 'transformers', 'pyarrow') if m in sys.modules))\n"
+             "sys.exit(code)\n")
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "AWS_ENDPOINT_URL": "http://127.0.0.1:1"}
+    out = subprocess.run([sys.executable, "-c", probe, str(job)], capture_output=True, text=True, timeout=60, env=env,
+                         cwd=str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "eft: error: reward no_such_module:score: cannot import no_such_module (ModuleNotFoundError: No module named "
+        "'no_such_module')"]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_step_samples_the_same_completions_at_world_1_and_2():
+    """The step's prompts split over two ranks (each sampling its share alone) give every (prompt,
+    sample) the tokens one rank gives it holding them all, and the ranks' summed statistics are the
+    one rank's. The policy is the shipped chat base with the chunked loss set up, as on a worker."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from app.config import build_config
+    from app.dev.tasks import build_task_records
+    from app.dev.tiny import SHIPPED_BASE
+    from app.eval.render import PromptRenderer
+    from app.eval.sets import build_record
+    from app.model.loss import apply_loss
+    from app.rl.colocated import ColocatedRollouts
+    from app.rl.prompts import PromptSet, build_prompt_id
+
+    tok = AutoTokenizer.from_pretrained(SHIPPED_BASE)
+    model = AutoModelForCausalLM.from_pretrained(SHIPPED_BASE)
+    apply_loss(model, "chunked", 16)
+    renderer = PromptRenderer(tok, tok.chat_template, "prompts")
+    _, records = build_task_records(0, 12, seed=5)
+    prompts = PromptSet([build_prompt_id(r) for r in records], [renderer.ids(build_record(r, 0, "t")) for r in records],
+                        records)
+    cfg = build_config({**GRPO_JOB, "data": {"uri": "s3://eft/data/d", "seq_len": 96},
+                        "rl": {"rewards": [{"reward": "contains"}, {"reward": "app.dev.tasks:brevity_reward"}],
+                               "prompts_per_step": 5, "group_size": 3, "max_new_tokens": 10}})
+    pad = tok.pad_token_id
+
+    def run(rank: int, world: int):
+        return ColocatedRollouts(cfg, prompts, tok, renderer.stop_ids, pad, rank, world, torch.device("cpu")).build(
+            model, step=3)
+
+    whole = run(0, 1)
+    parts = [run(0, 2), run(1, 2)]
+    assert len(whole.samples) == 15 and sorted(s[:2] for s in whole.samples) == sorted(
+        s[:2] for p in parts for s in p.samples)
+    by_key = {s[:2]: s[2:] for p in parts for s in p.samples}
+    assert {s[:2]: s[2:] for s in whole.samples} == by_key
+    for key in ("completions", "reward_sum", "completion_tokens", "trained_tokens", "groups_zero_std"):
+        assert whole.sums[key] == pytest.approx(sum(p.sums[key] for p in parts)), key
+    # Another step draws other completions of the same prompts.
+    again = ColocatedRollouts(cfg, prompts, tok, renderer.stop_ids, pad, 0, 1, torch.device("cpu")).build(model, 4)
+    assert {s[:2]: s[2] for s in again.samples} != {s[:2]: s[2] for s in whole.samples}
+    # Every micro-batch is whole, its advantages only on completion tokens.
+    for row_ids, inputs, labels, positions, advantages in whole.micro:
+        assert inputs.shape == labels.shape == advantages.shape == (1, 96)
+        assert not advantages[labels == -100].any()

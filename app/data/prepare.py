@@ -341,6 +341,8 @@ def prepare_dataset(cfg: JobConfig, store: Optional[Store] = None) -> dict:
     """Run the prepare job for `cfg` and commit `<data.uri>/manifest.json`; returns the manifest."""
     if cfg.prepare is None:
         raise PrepareError("config has no `prepare` section (set prepare.input_uri)")
+    if cfg.prepare.format == "prompts":  # not packed: app.rl.prompts.prepare_prompts writes them
+        raise PrepareError("prepare.format prompts: a GRPO prompt set is written by app.rl.prompts.prepare_prompts")
     store = store or Store.from_config(cfg.storage)
     cfg, _ = resolve_model(cfg, store)  # a hub id: its pinned mirror (tokenizer, reference model)
     preflight(cfg, store)

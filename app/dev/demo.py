@@ -11,6 +11,8 @@ a task the base cannot do (the parity of a number, app/dev/tasks.py), and `eft e
 and the export on 100 numbers the fine-tune never saw.
 
 `--config jobs/configs/tiny-cpu.yaml`: the text job on a random-init base, ending in a text sample.
+`--config jobs/configs/tiny-grpo.yaml`: GRPO on the parity task from a short SFT of the chat job
+(app/dev/grpo_demo.py), ending in the held-out score before and after.
 `--config jobs/configs/tiny-dpo.yaml`: DPO on preference pairs about the same docs (the chosen answer
 the topic's own, the rejected one another topic's or cut short), from reference log-probs computed
 once by the prepare step, ending in the reward margin and accuracy.
@@ -81,18 +83,13 @@ def check_demo_bucket(cfg, store: Store, allow_remote: bool = False) -> None:
                 f"if s3://{bucket} there is yours)")
 
 
-# The demo's task: parity conversations mixed into the chat corpus, and held-out numbers to score.
-TASK_TRAIN = 4000
-TASK_EVAL = 100
-
-
 def ensure_inputs(cfg, store: Store, cache_dir: Optional[Path] = None) -> Optional[dict]:
     """The raw corpus and the base model the config points at, built here if absent. A chat job
     (prepare.format chat) gets conversations (about Python, and the parity task's) and the
     pre-trained chat base (built once per bucket; once per `cache_dir` when given), and its eval set
     the task's held-out prompts; a text job the documents and a random-init base. Returns the
     pre-train's report for a chat job."""
-    from app.dev.tasks import build_task_records
+    from app.dev.tasks import TASK_EVAL, TASK_TRAIN, build_task_records
     from app.dev.tiny import (
         build_chat_corpus, build_corpus, build_preference_corpus, save_pretrained_base, save_tiny_base, write_jsonl,
     )
@@ -219,11 +216,6 @@ def describe_task(cfg, results: dict) -> str:
             f"{example['answer']!r}), {results['metric']}")
 
 
-def format_score(results: dict) -> str:
-    low, high = results["interval"]
-    return f"{results['score']:.1%} (95% {low:.0%}-{high:.0%})"
-
-
 def run_demo(config_path: Optional[str] = None, state_dir: Path = Path(".eft"), max_steps: Optional[int] = None,
              keep_stack: bool = False, allow_remote_bucket: bool = False) -> int:
     from app.data.manifest import read_committed_manifest
@@ -231,6 +223,7 @@ def run_demo(config_path: Optional[str] = None, state_dir: Path = Path(".eft"), 
     from app.data.reference import needs_reference
     from app.eval.run import run_eval
     from app.export import export_run
+    from app.dev.tasks import format_score
     from app.report import render_summary
     from app.train.launch import run_training
 
@@ -247,6 +240,10 @@ def run_demo(config_path: Optional[str] = None, state_dir: Path = Path(".eft"), 
     try:
         store = Store.from_config(cfg.storage)
         check_demo_bucket(cfg, store, allow_remote_bucket)  # before the first write
+        if cfg.training.objective == "grpo":
+            from app.dev.grpo_demo import run_grpo_demo
+
+            return run_grpo_demo(cfg, store, DEFAULT_CONFIG, lambda sft: ensure_inputs(sft, store, cache_dir_for(state_dir)))
         chat = cfg.prepare.format in CHAT_FORMATS
         pretrained = ensure_inputs(cfg, store, cache_dir=cache_dir_for(state_dir))
         if chat:

@@ -14,6 +14,9 @@ import random
 
 TASK_NAME = "parity"
 TASK_QUESTION = "Is {number} even or odd?"
+# The demo's task: conversations trained on, and held-out prompts scored (eft demo, tiny-grpo).
+TASK_TRAIN = 4000
+TASK_EVAL = 100
 # Numbers of 2 to 5 digits: ~100k distinct prompts, so held-out ones are new numbers, not repeats.
 NUMBER_RANGE = (10, 100_000)
 
@@ -36,3 +39,16 @@ def build_task_records(n_train: int, n_eval: int, seed: int = 0) -> tuple[list[d
     evals = [{"prompt": TASK_QUESTION.format(number=n), "answer": answer_parity(n)} for n in held_out]
     assert not {c["messages"][0]["content"] for c in conversations} & {e["prompt"] for e in evals}
     return conversations, evals
+
+
+def brevity_reward(prompt: str, completion: str, answer, record: dict) -> float:
+    """A `module:function` reward for GRPO's tests and demo: 1 for an empty reply, falling linearly
+    to 0 at 32 characters. The tiny base answers parity with long prose; a policy that learns to end
+    its turn early earns more, which GRPO can find within a few steps on CPU."""
+    return max(0.0, 1.0 - len(completion.strip()) / 32)
+
+
+def format_score(results: dict) -> str:
+    """An eval result as the demos print it: the score and its 95% interval."""
+    low, high = results["interval"]
+    return f"{results['score']:.1%} (95% {low:.0%}-{high:.0%})"

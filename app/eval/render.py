@@ -26,7 +26,7 @@ from app.eval.sets import EvalRecord
 
 log = logging.getLogger("eft.eval")
 
-CHAT_FORMATS = ("chat", "sharegpt", "preference")
+CHAT_FORMATS = ("chat", "sharegpt", "preference", "prompts")
 PROBE = "\x1fEFT_REPLY\x1f"
 
 

@@ -108,7 +108,7 @@ def build_record(raw: Any, index: int, where: str) -> Union[EvalRecord, Skip]:
     return record
 
 
-def list_set_files(store: Store, uri: str) -> list[tuple[str, str]]:
+def list_set_files(store: Store, uri: str, key: str = "eval.uri") -> list[tuple[str, str]]:
     """(URI, jsonl|parquet) of the set: the file itself, or the files under a prefix in name order."""
     def kind_of(name: str) -> Optional[str]:
         return next((k for suffix, k in SUFFIXES.items() if name.endswith(suffix)), None)
@@ -117,17 +117,17 @@ def list_set_files(store: Store, uri: str) -> list[tuple[str, str]]:
         if store.exists(uri):
             kind = kind_of(uri)
             if kind is None:
-                raise EvalSetError(f"eval.uri {uri}: not a .jsonl, .json or .parquet file")
+                raise EvalSetError(f"{key} {uri}: not a .jsonl, .json or .parquet file")
             return [(uri, kind)]
         names = sorted(n for n in store.list_files(uri) if kind_of(n))
     except StorageError as err:
-        raise EvalSetError(f"eval.uri {uri}: cannot read ({err})") from None
+        raise EvalSetError(f"{key} {uri}: cannot read ({err})") from None
     if not names:
-        raise EvalSetError(f"eval.uri {uri}: no eval set there (a .jsonl or .parquet file, or a prefix of them)")
+        raise EvalSetError(f"{key} {uri}: no record set there (a .jsonl or .parquet file, or a prefix of them)")
     return [(join(uri, n), kind_of(n)) for n in names]
 
 
-def iter_raw_records(data: bytes, kind: str, name: str):
+def iter_raw_records(data: bytes, kind: str, name: str, key: str = "eval.uri"):
     """(where, decoded record or Skip) of one file's bytes."""
     if kind == "parquet":
         import pyarrow.parquet as pq
@@ -135,7 +135,7 @@ def iter_raw_records(data: bytes, kind: str, name: str):
         try:
             rows = pq.read_table(io.BytesIO(data)).to_pylist()
         except Exception as err:  # noqa: BLE001: any unreadable file is one line naming it
-            raise EvalSetError(f"eval.uri {name}: not a readable Parquet file ({type(err).__name__})") from None
+            raise EvalSetError(f"{key} {name}: not a readable Parquet file ({type(err).__name__})") from None
         for i, row in enumerate(rows):
             yield f"{name}:row {i}", row
         return

@@ -94,11 +94,29 @@ def apply_loss(model: nn.Module, mode: str, chunk_tokens: int = 1024) -> None:
     head.eft_chunk_tokens = chunk_tokens
     head.eft_labels = None
     head.eft_per_token = False
+    head.eft_logits = False
     head.forward = types.MethodType(loss_forward, head)
+
+
+@contextlib.contextmanager
+def computing_logits(model: nn.Module):
+    """The output layer gives logits again, as before `apply_loss`: for sampling from the model
+    being trained (GRPO's rollouts)."""
+    head = find_output_layer(model)
+    if getattr(head, "eft_loss", "full") == "full":
+        yield
+        return
+    head.eft_logits = True
+    try:
+        yield
+    finally:
+        head.eft_logits = False
 
 
 def loss_forward(self: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
     """The output layer's forward once `apply_loss` has run: hidden states in, summed loss out."""
+    if self.eft_logits:  # sampling (computing_logits): the plain layer
+        return F.linear(hidden, self.weight)
     labels = self.eft_labels
     if labels is None or labels.shape != hidden.shape[:-1]:
         raise RuntimeError("the output layer computes the loss: call it through loss_sum with the labels")

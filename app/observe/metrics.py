@@ -275,6 +275,10 @@ def format_progress(r: dict, total: int) -> str:
     mfu = f" mfu {r['mfu']:.1%}" if r.get("mfu") is not None else ""
     # The preference objectives' implicit rewards: their margin and how often the chosen one wins.
     pairs = (f" margin {r['reward_margin']:.3f} acc {r['reward_accuracy']:.2f}" if "reward_margin" in r else "")
+    # GRPO: the rollouts' reward, accuracy, length, and where the step's time went.
+    if "reward_mean" in r:
+        pairs += (f" reward {r['reward_mean']:.3f} acc {r['accuracy']:.2f} len {r['completion_len_mean']:.1f}"
+                  f" zero-std {r['frac_zero_std']:.2f} rollout {r['rollout_s']:.2f}s update {r['update_s']:.2f}s")
     return (f"step {r['step']}/{total} loss {r['loss']:.4f}{pairs}{val} lr {r['lr']:.2e} gnorm {r['grad_norm']:.3f} "
             f"tok/s {r['tokens_per_s']:,.0f}{mfu} step {r['step_time_s']:.2f}s data {r['data_wait_s']:.3f}s "
             f"world {r['world_size']} eta {format_duration(r['eta_s'])}")

@@ -1,2 +1,2 @@
-"""Online RL with verifiable rewards (GRPO): group advantages and the clipped objective, rewards,
-seeded sampling and the packing of rollouts into rows (issue 39; the trainer that uses them is to come)."""
+"""Online RL with verifiable rewards (GRPO): prompt sets, rewards, seeded sampling, colocated
+rollouts packed into rows, and the clipped objective (docs/rl.md); the loop in app/train runs them."""

@@ -83,8 +83,9 @@ def sample_completions(model, prompts: list[list[int]], seeds: list[int], *, max
     synced = lockstep and dist.is_available() and dist.is_initialized()
     for t in range(max_new_tokens):
         # `cache`: transformers 5.x's name for the KV cache (`past_key_values` before; checked on 5.25).
+        # Only the last position's logits: a prompt's full [rows, width, vocab] would dwarf the cache.
         result = model(input_ids=step_ids, attention_mask=attention, position_ids=step_positions, cache=cache,
-                       use_cache=True)
+                       use_cache=True, logits_to_keep=1)
         cache = result["cache"]
         logits = result.logits[:, -1, :].float()
         # Every row draws its uniform every step, done or not: a row's draws never depend on others.

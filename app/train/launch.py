@@ -52,7 +52,9 @@ def preflight(cfg: JobConfig, store: Store) -> dict:
     check_objective_fits(cfg, manifest)
     check_reference(cfg, store, manifest)
     train_rows = manifest["splits"]["train"]["rows"]
-    if train_rows < cfg.training.global_batch_size:
+    if cfg.training.objective == "grpo":
+        check_rl_setup(cfg, manifest)
+    elif train_rows < cfg.training.global_batch_size:
         raise ValueError(f"training.global_batch_size {cfg.training.global_batch_size} exceeds the "
                          f"{train_rows} train rows of {cfg.data.uri}")
     if cfg.training.eval_every_steps and not manifest["splits"].get("validation", {}).get("rows"):
@@ -69,10 +71,28 @@ def preflight(cfg: JobConfig, store: Store) -> dict:
     return manifest
 
 
+def check_rl_setup(cfg: JobConfig, manifest: dict) -> None:
+    """GRPO's prompts leave room for `rl.max_new_tokens` in a row, and every reward builds (a
+    `module:function` that does not import here would not on the workers either)."""
+    from app.rl.rewards import build_reward_fn
+
+    longest = manifest["splits"]["train"].get("max_prompt_tokens", 0)
+    if longest + cfg.rl.max_new_tokens > cfg.data.seq_len:
+        raise ValueError(f"rl.max_new_tokens {cfg.rl.max_new_tokens}: the longest prompt of {cfg.data.uri} has "
+                         f"{longest} tokens, and prompt + completion must fit data.seq_len {cfg.data.seq_len}")
+    build_reward_fn(cfg.rl.weighted_rewards(), cfg.rl.normalize, cfg.rl.answer_regex)
+
+
 def check_objective_fits(cfg: JobConfig, manifest: dict) -> None:
-    """A preference objective trains on a dataset of pairs, and SFT on one that is not."""
+    """A preference objective trains on a dataset of pairs, GRPO on prompts, and SFT on neither."""
     fmt = manifest["source"].get("format")
     objective = cfg.training.objective
+    if (objective == "grpo") != (fmt == "prompts"):
+        raise ValueError(f"training.objective {objective}: the dataset at {cfg.data.uri} was prepared as {fmt!r}"
+                         + (" (GRPO trains on prompt sets: prepare.format: prompts)" if objective == "grpo" else
+                            " (a GRPO prompt set: set training.objective: grpo)"))
+    if objective == "grpo":
+        return
     if objective != "sft" and fmt != "preference":
         raise ValueError(f"training.objective {objective}: the dataset at {cfg.data.uri} was prepared as {fmt!r}, "
                          f"not preference pairs (prepare it with prepare.format: preference)")

@@ -70,9 +70,15 @@ def step_seed(seed: int, step: int, rank: int) -> int:
 
 
 def total_steps(cfg, train_rows: int) -> int:
+    """`max_steps`, or the steps `epochs` passes over the train rows (GRPO: prompts) take."""
     if cfg.training.max_steps:
         return cfg.training.max_steps
-    return max(int(cfg.training.epochs * train_rows) // cfg.training.global_batch_size, 1)
+    return max(int(cfg.training.epochs * train_rows) // rows_per_step(cfg), 1)
+
+
+def rows_per_step(cfg) -> int:
+    """Train rows an optimizer step consumes: the global batch, or GRPO's prompts."""
+    return cfg.rl.prompts_per_step if cfg.training.objective == "grpo" else cfg.training.global_batch_size
 
 
 def setup_worker_logging(rank: int) -> None:
@@ -167,7 +173,7 @@ class DataParts:
     the run resumes in them."""
 
     manifest: dict
-    plan: BatchPlan
+    plan: Optional[BatchPlan]  # None for GRPO, whose rows per rank come from its rollouts
     lineage: dict  # what every checkpoint records it was trained from
     train_rows: int
     steps_total: int
@@ -178,6 +184,7 @@ class DataParts:
     # Seconds from each epoch pipeline's start to its first row, appended by the prefetch thread.
     epoch_openings_s: list = field(default_factory=list)
     val: dict = field(default_factory=lambda: {"row_id": []})
+    rollouts: object = None  # GRPO: app/rl/colocated.py's ColocatedRollouts, which builds each step's rows
 
 
 @dataclass
@@ -229,6 +236,8 @@ class Progress:
     units: Optional[torch.Tensor] = None
     metric_sums: Optional[torch.Tensor] = None
     nonfinite: Optional[torch.Tensor] = None
+    rollout_sums: dict = field(default_factory=dict)  # GRPO: the rollout statistics since the last log
+    rollout_maxima: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -279,6 +288,8 @@ def setup(config: dict) -> Worker:
                           bytes_cached=model_store.bytes_cached)
     if cfg.training.eval_every_steps and data.manifest["splits"].get("validation", {}).get("rows"):
         data.val = load_validation_rows(cfg, store, data.manifest, data.isolate)
+    if cfg.training.objective == "grpo":
+        data.rollouts = build_rollouts(cfg, store, data.manifest, rank, world, device, model.autocast_dtype)
     return Worker(cfg=cfg, rank=rank, world=world, nodes=max(world // ctx.get_local_world_size(), 1), device=device,
                   store=store, data=data, model=model, recorders=Recorders(marks=marks, nccl_probe=nccl_probe),
                   fence=fence)
@@ -290,6 +301,8 @@ def setup_data(cfg: JobConfig, store: Store, rank: int, world: int) -> DataParts
     restoring the shards."""
     import ray.train
 
+    if cfg.training.objective == "grpo":
+        return setup_prompt_data(cfg, store, rank)
     t = cfg.training
     plan = BatchPlan(t.global_batch_size, world, t.micro_batch_size)
     if problem := plan.problem(t.pad_uneven_batches):
@@ -312,6 +325,32 @@ def setup_data(cfg: JobConfig, store: Store, rank: int, world: int) -> DataParts
     return DataParts(manifest=manifest, plan=plan, lineage=build_lineage(cfg, manifest), train_rows=order.num_rows,
                      steps_total=total_steps(cfg, order.num_rows), checkpoint=checkpoint, start_rows=start_rows,
                      batches=batches, isolate=isolate, epoch_openings_s=openings)
+
+
+def setup_prompt_data(cfg: JobConfig, store: Store, rank: int) -> DataParts:
+    """GRPO: the prompt set and where the run resumes in its seeded order (prompts consumed). The
+    rows come from each step's rollouts (`build_rollouts`, once the model is built)."""
+    import ray.train
+
+    manifest = load_manifest(store, cfg.data.uri)
+    checkpoint = ckpt.select_resume_checkpoint(ray.train.get_checkpoint(), store, cfg.run_uri, rank)
+    start_rows = int(ckpt.peek_train_state(checkpoint).get("rows_consumed", 0))
+    prompts = manifest["splits"]["train"]["rows"]
+    return DataParts(manifest=manifest, plan=None, lineage=build_lineage(cfg, manifest), train_rows=prompts,
+                     steps_total=total_steps(cfg, prompts), checkpoint=checkpoint, start_rows=start_rows,
+                     batches=iter(()), isolate=True)
+
+
+def build_rollouts(cfg: JobConfig, store: Store, manifest: dict, rank: int, world: int, device, autocast_dtype):
+    from app.data.engines import load_tokenizer
+    from app.rl.colocated import ColocatedRollouts
+    from app.rl.prompts import load_prompt_split
+
+    prompts = load_prompt_split(store, cfg.data.uri, manifest, "train")
+    tokenizer = load_tokenizer(store, cfg.tokenizer_uri)
+    facts = manifest["tokenizer"]
+    return ColocatedRollouts(cfg, prompts, tokenizer, manifest["stop_token_ids"], facts["pad_token_id"], rank, world,
+                             device, autocast_dtype)
 
 
 def load_validation_rows(cfg: JobConfig, store: Store, manifest: dict, isolate: bool) -> dict:
@@ -362,11 +401,16 @@ def resume(w: Worker, config: dict) -> None:
         rec.sinks.append(TensorBoardSink(w.store, cfg.run_uri, resumed_from_step=step))
         if config.get("mlflow"):
             rec.sinks.append(MlflowSink(config["mlflow"], cfg.run_uri, flatten(config["cfg"])))
-        padding = d.plan.padding_rows
-        log.info("world %d x accum %d x micro %d = global batch %d%s | params %.2fM trainable of %.2fM | "
-                 "%s from step %d of %d", w.world, d.plan.accum, t.micro_batch_size, t.global_batch_size,
-                 f" + {padding} padding rows" if padding else "", m.n_trainable / 1e6, m.n_total / 1e6,
-                 "resuming" if step else "starting", step, d.steps_total)
+        padding = d.plan.padding_rows if d.plan is not None else 0
+        if d.plan is None:
+            log.info("world %d | %d prompts x %d completions per step, micro %d | params %.2fM trainable of %.2fM | "
+                     "%s from step %d of %d", w.world, cfg.rl.prompts_per_step, cfg.rl.group_size, t.micro_batch_size,
+                     m.n_trainable / 1e6, m.n_total / 1e6, "resuming" if step else "starting", step, d.steps_total)
+        else:
+            log.info("world %d x accum %d x micro %d = global batch %d%s | params %.2fM trainable of %.2fM | "
+                     "%s from step %d of %d", w.world, d.plan.accum, t.micro_batch_size, t.global_batch_size,
+                     f" + {padding} padding rows" if padding else "", m.n_trainable / 1e6, m.n_total / 1e6,
+                     "resuming" if step else "starting", step, d.steps_total)
         attempt = records.record_event(w.store, cfg.run_uri, "worker_group_start", world_size=w.world,
                                        resumed_from_step=step if state.restored else None, padding_rows=padding,
                                        document_isolation=d.isolate, metrics_writer=rec.metrics.writer_id,
@@ -401,8 +445,8 @@ def train_step(w: Worker) -> tuple[list, float, torch.Tensor]:
     # random ops outside them (none in the models we train): a resumed step redraws the same.
     torch.manual_seed(step_seed(t.seed, p.step, w.rank))
 
-    with timer.phase("data"):
-        micro = next(w.data.batches)
+    with timer.phase("data"):  # GRPO: the rollout (sample, score, pack) with the current policy
+        micro = next_micro_batches(w)
     w.recorders.heartbeat.mark_first_batch()
     with timer.phase("compute"):
         # The units (label tokens or pairs) come from the host arrays: one all-reduce, no sync.
@@ -411,7 +455,7 @@ def train_step(w: Worker) -> tuple[list, float, torch.Tensor]:
         p.units += global_units
         scale = w.world / global_units.clamp(min=1)
         for i, (row_ids, inputs, labels, positions, *ref) in enumerate(micro):
-            with grad_sync_context(m.module, enabled=i == w.data.plan.accum - 1), m.row_seeds.rows(row_ids, p.step):
+            with grad_sync_context(m.module, enabled=i == len(micro) - 1), m.row_seeds.rows(row_ids, p.step):
                 loss, metrics = m.objective.forward(m.module, inputs, labels, positions, ref[0] if ref else None,
                                                     w.device, m.autocast_dtype)
                 (loss * scale).backward()
@@ -424,8 +468,21 @@ def train_step(w: Worker) -> tuple[list, float, torch.Tensor]:
         m.optimizer.zero_grad(set_to_none=True)
     p.nonfinite |= ~torch.isfinite(p.loss_sum)
     p.step += 1
-    p.rows_consumed += t.global_batch_size
+    p.rows_consumed += rows_per_step(w.cfg)
     return micro, lr, grad_norm
+
+
+def next_micro_batches(w: Worker) -> list:
+    """The step's micro-batches: the next of the row stream, or GRPO's rollouts of this step."""
+    if w.data.rollouts is None:
+        return next(w.data.batches)
+    step = w.data.rollouts.build(w.model.module, w.progress.step)
+    p = w.progress
+    for key, value in {**step.sums, "steps": 1.0}.items():
+        p.rollout_sums[key] = p.rollout_sums.get(key, 0.0) + value
+    for key, value in step.maxima.items():
+        p.rollout_maxima[key] = max(p.rollout_maxima.get(key, 0.0), value)
+    return step.micro
 
 
 def log_step(w: Worker, micro: list, lr: float, grad_norm: torch.Tensor) -> None:
@@ -440,9 +497,14 @@ def log_step(w: Worker, micro: list, lr: float, grad_norm: torch.Tensor) -> None
         train_loss = values["loss"]
         if bool(p.nonfinite) or not math.isfinite(train_loss):
             raise FloatingPointError(f"non-finite loss {train_loss} at step {step}; stopping")
+        tokens_per_step = rec.tokens_per_step
+        if d.rollouts is not None:  # GRPO: the completion tokens trained per step since the last log
+            tokens_per_step = int(p.rollout_sums.get("trained_tokens", 0.0) / (rec.timer.steps + 1))
         record = {"step": step, **values, "lr": lr, "grad_norm": to_scalar(grad_norm),
                   "world_size": w.world, "rows_consumed": p.rows_consumed, "epoch": p.rows_consumed / d.train_rows,
-                  **rec.timer.end_step(step, rec.tokens_per_step), **peak_memory(w.device)}
+                  **rec.timer.end_step(step, tokens_per_step), **peak_memory(w.device)}
+        if d.rollouts is not None:
+            record.update(rollout_record(w, record))
         record["tokens_per_s_per_worker"] = record["tokens_per_s"] / w.world
         record["mfu"] = mfu(record["tokens_per_s"], rec.flops_per_token, rec.device_peak, w.world)
         if t.trace_rows:
@@ -467,6 +529,21 @@ def log_step(w: Worker, micro: list, lr: float, grad_norm: torch.Tensor) -> None
     rec.heartbeat.beat(step)
     if rec.nccl_probe and w.rank == 0 and step == rec.timer.start_step + 1:
         rec.nccl_probe.report(w.store, w.cfg.run_uri, nodes=w.nodes)
+
+
+def rollout_record(w: Worker, record: dict) -> dict:
+    """GRPO's logged rollout metrics since the last log: rewards, accuracy, lengths, the rollout's
+    and the update's seconds per step, generated tokens per second; then the sums start over."""
+    from app.rl.colocated import summarize_rollouts
+
+    p, rl = w.progress, w.cfg.rl
+    out = summarize_rollouts(p.rollout_sums, p.rollout_maxima, rl.reward_names(), rl.group_size)
+    out["rollout_s"] = record["data_wait_s"]
+    out["update_s"] = record["compute_s"] + record["optimizer_s"]
+    rollout_total_s = record["data_wait_s"] * p.rollout_sums.get("steps", 1.0)
+    out["generated_tokens_per_s"] = p.rollout_sums.get("completion_tokens", 0.0) / max(rollout_total_s, 1e-9)
+    p.rollout_sums, p.rollout_maxima = {}, {}
+    return out
 
 
 def maybe_checkpoint(w: Worker) -> None:

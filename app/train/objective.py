@@ -1,6 +1,6 @@
 """What one micro-batch contributes to a step, by `training.objective`: the summed loss, the sums
 behind its metrics, and how many units the step's loss is divided by once summed over the global
-batch (label tokens for `sft`, pairs for the preference objectives). The loop does the rest the
+batch (label tokens for `sft`, pairs for the preference objectives, completion tokens for `grpo`). The loop does the rest the
 same way for all of them: one all-reduce of the units, `loss * world / units` backward, and the
 sums reduced on logging steps only.
 
@@ -22,6 +22,7 @@ from app.model.loss import loss_sum, token_logps
 from app.model.preference import (
     build_pair_losses, pair_segments, sequence_logps, sequence_tokens, sum_pair_metrics,
 )
+from app.rl.loss import grpo_token_loss
 
 # The preference objectives' metrics, in the order their sums travel in one tensor.
 PAIR_METRICS = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "logps_chosen",
@@ -101,6 +102,45 @@ class PreferenceObjective:
             model.train(was_training)
 
 
+class GrpoObjective:
+    """GRPO's clipped surrogate (and β·k3) over the completion tokens of packed rollouts, normalized
+    by the global batch's completion tokens. The micro-batch carries each token's advantage where
+    the preference objectives carry reference log-probs. On-policy (`rl.updates_per_batch` 1) the
+    old log-probs are this forward's own, detached: the trainer's numbers, never the sampler's."""
+
+    metric_names = ("clip_frac", "kl")
+
+    def __init__(self, cfg: JobConfig):
+        self.rl = cfg.rl
+
+    def units(self, labels: np.ndarray, positions: Optional[np.ndarray]) -> int:
+        return label_tokens(labels)
+
+    def forward(self, model, inputs: np.ndarray, labels: np.ndarray, positions: Optional[np.ndarray],
+                ref: Optional[np.ndarray], device, autocast_dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y, p = as_tensors(inputs, labels, positions, device)
+        logp = token_logps(model, x, y, autocast_dtype, p)
+        mask = y != IGNORE
+        mask[:, 0] = False  # nothing predicts a row's first token (label_tokens skips it too)
+        advantages = torch.as_tensor(ref, dtype=torch.float32, device=x.device)
+        ref_logp = self.live_reference(model, x, y, p, autocast_dtype) if self.rl.kl_beta else None
+        out = grpo_token_loss(logp, logp.detach(), advantages, mask, 1.0, clip_low=self.rl.clip_low,
+                              clip_high=self.rl.clip_high, ref_logp=ref_logp, kl_beta=self.rl.kl_beta)
+        return out.loss, torch.stack([out.clipped_tokens.double(), out.kl_sum.double()])
+
+    @torch.no_grad()
+    def live_reference(self, model, x, y, positions, autocast_dtype) -> torch.Tensor:
+        """The tokens' log-probs under the base: the model with its LoRA adapters disabled."""
+        peft_model = getattr(model, "module", model)
+        was_training = model.training
+        model.eval()
+        try:
+            with peft_model.disable_adapter():
+                return token_logps(model, x, y, autocast_dtype, positions)
+        finally:
+            model.train(was_training)
+
+
 def as_tensors(inputs: np.ndarray, labels: np.ndarray, positions: Optional[np.ndarray], device):
     x = torch.as_tensor(inputs, dtype=torch.long, device=device)
     y = torch.as_tensor(labels, dtype=torch.long, device=device)
@@ -108,6 +148,8 @@ def as_tensors(inputs: np.ndarray, labels: np.ndarray, positions: Optional[np.nd
 
 
 def build_objective(cfg: JobConfig):
+    if cfg.training.objective == "grpo":
+        return GrpoObjective(cfg)
     return SftObjective() if cfg.training.objective == "sft" else PreferenceObjective(cfg)
 
 
