@@ -35,7 +35,8 @@ def make_cfg(name: str, **sections):
         "storage": {"root_uri": "s3://eft/runs-grpo"},
     }
     for key, value in sections.items():
-        tree[key] = None if value is None else {**(tree.get(key) or {}), **value}
+        tree[key] = None if value is None else {k: v for k, v in {**(tree.get(key) or {}), **value}.items()
+                                                if v is not None}
     return build_config(tree)
 
 
@@ -95,3 +96,26 @@ def test_a_grpo_run_stopped_on_one_worker_resumes_on_two_on_the_same_trajectory(
         assert b["reward_mean"] == pytest.approx(a["reward_mean"], abs=1e-6), step
         assert b["completion_len_mean"] == a["completion_len_mean"], step
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-5), step
+
+
+def test_reward_errors_leave_their_groups_out_then_past_the_limit_stop_the_run_in_one_line(prompt_set):
+    """A reward that raises on the odd numbers: the steps it fails in train on the other groups and
+    count the failed ones (`reward_errors`), never scoring them 0; past `rl.max_reward_errors` the
+    run ends on one line naming the reward and the prompt."""
+    from app.rl.rewards import RewardError
+    from app.train.launch import run_training
+
+    cfg = make_cfg("grpo-errors", training={"max_steps": 4}, scaling={"min_workers": 1, "max_workers": 1},
+                   rl={"rewards": None, "reward": "app.dev.tasks:brevity_unless_odd_reward", "max_reward_errors": 12},
+                   fault_tolerance={"max_failures": 0}, checkpoint={"save_every_steps": 1})
+    with pytest.raises(RewardError) as stopped:
+        run_training(cfg)
+    line = str(stopped.value)
+    assert "\n" not in line
+    assert line.startswith("reward app.dev.tasks:brevity_unless_odd_reward failed 13 times, more than "
+                           "rl.max_reward_errors=12; last on record "), line
+    assert line.endswith(": ValueError: no score for odd numbers"), line
+    rows = [r for r in load_metrics(Store(), cfg.run_uri) if "reward_mean" in r]
+    assert rows and all(r["reward_errors"] >= 1 for r in rows), rows
+    # Only the groups that scored are in the reward: brevity's values, never a 0 for a failure.
+    assert all(0.0 < r["reward_mean"] <= 1.0 for r in rows)

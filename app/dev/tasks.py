@@ -52,3 +52,11 @@ def format_score(results: dict) -> str:
     """An eval result as the demos print it: the score and its 95% interval."""
     low, high = results["interval"]
     return f"{results['score']:.1%} (95% {low:.0%}-{high:.0%})"
+
+
+def brevity_unless_odd_reward(prompt: str, completion: str, answer, record: dict) -> float:
+    """`brevity_reward`, but raises on the prompts whose answer is "odd": a reward that fails on
+    some records, for the tests of reward errors (counted, their groups left out, then one line)."""
+    if answer == "odd":
+        raise ValueError("no score for odd numbers")
+    return brevity_reward(prompt, completion, answer, record)

@@ -80,7 +80,8 @@ class ColocatedRollouts:
         sums = dict.fromkeys(SUM_STATS, 0.0) | {f"reward_{n}_sum": 0.0 for n in self.reward_names}
         rewards, errored, correct = [], [], []
         for gi, i in enumerate(mine):
-            record = self.prompts.records[i]
+            # The record as a reward gets it, with its prompt id (what a failed reward's line names).
+            record = {"prompt_id": self.prompts.ids[i], **self.prompts.records[i]}
             scored = [self.score(prompt_text(record), self.decode(c), record)
                       for c in completions.tokens[gi * g:(gi + 1) * g]]
             errored.append(any(s.total is None for s in scored))

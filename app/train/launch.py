@@ -71,6 +71,20 @@ def preflight(cfg: JobConfig, store: Store) -> dict:
     return manifest
 
 
+def worker_error(err: Exception) -> Exception:
+    """A worker's own one-line error (a reward past `rl.max_reward_errors`, a non-finite loss) in
+    place of Ray Train's several-line summary of every rank's traceback, so `eft train` ends on it."""
+    from app.rl.rewards import RewardError
+
+    failures = getattr(err, "worker_failures", None) or {}
+    for rank in sorted(failures):
+        cause = failures[rank]
+        cause = getattr(cause, "cause", None) or cause  # a RayTaskError carries the worker's exception
+        if isinstance(cause, (RewardError, FloatingPointError)):
+            return cause
+    return err
+
+
 def check_rl_setup(cfg: JobConfig, manifest: dict) -> None:
     """GRPO's prompts leave room for `rl.max_new_tokens` in a row, and every reward builds (a
     `module:function` that does not import here would not on the workers either)."""
@@ -177,7 +191,7 @@ def train_holding(cfg: JobConfig, store: Store, lease, train_fn=None, validation
     try:
         build_trainer(cfg, store, train_fn, fence=lease.fence(), validation_fn=validation_fn).fit()
     except Exception as err:  # the summary records the failure; the CLI re-raises it
-        status, error = "failed", err
+        status, error = "failed", worker_error(err)
     finally:
         if watcher:
             watcher.stop()
