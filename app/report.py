@@ -166,6 +166,9 @@ def build_world_size_timeline(events: list[dict]) -> list[dict]:
 
 # The preference objectives' metrics `eft status` shows (app/train/objective.py logs them).
 PAIR_STATUS = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "val_reward_accuracy")
+# GRPO's rollout metrics `eft status` shows (app/rl/colocated.py logs them).
+RL_STATUS = ("reward_mean", "reward_std", "accuracy", "pass_at_g", "frac_zero_std", "completion_len_mean",
+             "truncated_frac", "rollout_s", "update_s")
 
 
 def build_status(run: dict, now: Optional[float] = None) -> dict:
@@ -193,6 +196,8 @@ def build_status(run: dict, now: Optional[float] = None) -> dict:
         "val_ppl": build_val_ppl(metrics),
         # The preference objectives' implicit rewards (None for SFT runs).
         **{name: last_value(metrics, name) for name in PAIR_STATUS},
+        # GRPO's rollouts (None for the other objectives).
+        **{name: last_value(metrics, name) for name in RL_STATUS},
         "eta_s": estimate_eta(latest, step) if state == "running" else None,
         "restarts": len(interruptions),
         "interruptions": interruptions,
@@ -250,7 +255,15 @@ def format_losses(status: dict) -> tuple[str, str]:
 
 
 def format_rewards(status: dict) -> list[tuple[str, str]]:
-    """The preference objectives' rows: the implicit rewards and how often the chosen one wins."""
+    """The preference objectives' rows (the implicit rewards and how often the chosen one wins), or
+    GRPO's (the rollouts' reward, accuracy, lengths and where a step's time goes)."""
+    if status.get("reward_mean") is not None:
+        return [("reward", f"{status['reward_mean']:.3f} (std {status['reward_std']:.3f})"),
+                ("accuracy", f"{status['accuracy']:.2f} (pass@G {status['pass_at_g']:.2f}, "
+                             f"zero-std groups {status['frac_zero_std']:.2f})"),
+                ("completions", f"{status['completion_len_mean']:.1f} tokens on average, "
+                                f"{status['truncated_frac']:.0%} truncated"),
+                ("step time", f"rollout {status['rollout_s']:.2f} s, update {status['update_s']:.2f} s")]
     if status.get("reward_margin") is None:
         return []
     return [("rewards", f"chosen {status['rewards_chosen']:.3f}, rejected {status['rewards_rejected']:.3f}, "

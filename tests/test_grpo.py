@@ -75,6 +75,12 @@ def test_grpo_run_on_two_workers_raises_its_reward(prompt_set):
         assert key in rows[-1], key
     assert rows[-1]["reward_exact_match"] == 0.0  # the base answers in prose: brevity is what it learns
     assert rows[-1]["rows_consumed"] == 48  # prompts, for GRPO
+    # `eft status` shows the rollouts.
+    from app.report import build_status, build_status_rows, load_run
+
+    status_rows = dict(build_status_rows(build_status(load_run(Store(), cfg.run_uri))))
+    assert status_rows["reward"].startswith(f"{rows[-1]['reward_mean']:.3f} (std ")
+    assert status_rows["step time"].startswith("rollout ")
 
 
 def test_a_grpo_run_stopped_on_one_worker_resumes_on_two_on_the_same_trajectory(prompt_set):
