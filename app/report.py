@@ -398,9 +398,11 @@ def build_loss_figure(run: dict, status: dict):
 
     # A bare Figure on the Agg canvas: no pyplot global state, no display needed.
     pairs = any(r.get("reward_margin") is not None for r in run["metrics"])
-    fig = Figure(figsize=(10, 8 if pairs else 5), dpi=100)
+    rollouts = any(r.get("reward_mean") is not None for r in run["metrics"])
+    panels = 1 + pairs + 2 * rollouts
+    fig = Figure(figsize=(10, 3 + 3 * panels if panels > 1 else 5), dpi=100)
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot(2, 1, 1) if pairs else fig.add_subplot()
+    ax = fig.add_subplot(panels, 1, 1)
     train = [(r["step"], r["loss"]) for r in run["metrics"] if r.get("loss") is not None]
     val = [(r["step"], r["val_loss"]) for r in run["metrics"] if r.get("val_loss") is not None]
     if train:
@@ -423,7 +425,10 @@ def build_loss_figure(run: dict, status: dict):
     if train:
         ax.legend(loc="upper right")
     if pairs:
-        add_reward_panel(fig.add_subplot(2, 1, 2, sharex=ax), run["metrics"])
+        add_reward_panel(fig.add_subplot(panels, 1, 2, sharex=ax), run["metrics"])
+    if rollouts:
+        add_rl_reward_panel(fig.add_subplot(panels, 1, panels - 1, sharex=ax), run["metrics"])
+        add_rl_rollout_panel(fig.add_subplot(panels, 1, panels, sharex=ax), run["metrics"])
     fig.tight_layout()
     return fig
 
@@ -453,6 +458,64 @@ def add_reward_panel(ax, metrics: list[dict]) -> None:
     more = accuracy.get_legend_handles_labels()
     ax.legend(handles[0] + more[0], handles[1] + more[1], loc="upper left", fontsize=8)
     ax.set_title("preference rewards")
+
+
+def series(metrics: list[dict], key: str) -> list[tuple[float, float]]:
+    return [(r["step"], r[key]) for r in metrics if r.get(key) is not None]
+
+
+def add_rl_reward_panel(ax, metrics: list[dict]) -> None:
+    """GRPO's rewards: the mean with its spread over the step's completions (±1 std), each reward
+    function's share, and accuracy and pass@G on their own axis (0 to 1)."""
+    mean, std = dict(series(metrics, "reward_mean")), dict(series(metrics, "reward_std"))
+    steps = sorted(mean)
+    ax.plot(steps, [mean[s] for s in steps], label="reward (mean)", color="tab:blue")
+    if std:
+        band = [s for s in steps if s in std]
+        ax.fill_between(band, [mean[s] - std[s] for s in band], [mean[s] + std[s] for s in band],
+                        color="tab:blue", alpha=0.15, label="reward ± std")
+    # Per reward function: reward_<function> (app/rl/colocated.py's reward_metric).
+    functions = sorted({k for r in metrics for k in r if k.startswith("reward_")} - {
+        "reward_mean", "reward_std", "reward_errors", "reward_margin", "reward_accuracy"})
+    for key in functions:
+        ax.plot(*zip(*series(metrics, key)), label=key.replace("reward_", "reward: "), linewidth=0.9,
+                linestyle="--")
+    ax.set_ylabel("reward")
+    ax.grid(alpha=0.3)
+    share = ax.twinx()
+    for key, label, color in (("accuracy", "accuracy", "black"), ("pass_at_g", "pass@G", "tab:green"),
+                              ("frac_zero_std", "zero-std groups", "tab:gray")):
+        points = series(metrics, key)
+        if points:
+            share.plot(*zip(*points), label=label, color=color, linestyle=":")
+    share.set_ylim(0, 1.05)
+    share.set_ylabel("fraction")
+    handles, more = ax.get_legend_handles_labels(), share.get_legend_handles_labels()
+    ax.legend(handles[0] + more[0], handles[1] + more[1], loc="upper left", fontsize=8)
+    ax.set_title("rollout rewards")
+
+
+def add_rl_rollout_panel(ax, metrics: list[dict]) -> None:
+    """Where a GRPO step's time goes (rollout vs update seconds, stacked) and how long the
+    completions are (mean and max tokens, on their own axis)."""
+    rollout, update = dict(series(metrics, "rollout_s")), dict(series(metrics, "update_s"))
+    steps = sorted(set(rollout) & set(update))
+    if steps:
+        ax.stackplot(steps, [rollout[s] for s in steps], [update[s] for s in steps],
+                     labels=["rollout s", "update s"], colors=["tab:orange", "tab:blue"], alpha=0.6)
+    ax.set_xlabel("step")
+    ax.set_ylabel("seconds per step")
+    ax.grid(alpha=0.3)
+    lengths = ax.twinx()
+    for key, label, style in (("completion_len_mean", "completion tokens (mean)", "-"),
+                              ("completion_len_max", "completion tokens (max)", ":")):
+        points = series(metrics, key)
+        if points:
+            lengths.plot(*zip(*points), label=label, color="black", linestyle=style)
+    lengths.set_ylabel("tokens")
+    handles, more = ax.get_legend_handles_labels(), lengths.get_legend_handles_labels()
+    ax.legend(handles[0] + more[0], handles[1] + more[1], loc="upper left", fontsize=8)
+    ax.set_title("rollouts: time and length")
 
 
 def build_eval_figure(status: dict, evals: list[dict]):

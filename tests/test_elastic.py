@@ -13,6 +13,7 @@ is test_train.py's 3 → 2 → 1 run."""
 from __future__ import annotations
 
 import json
+import os
 import math
 from types import SimpleNamespace
 
@@ -332,3 +333,23 @@ def test_a_reclaim_schedule_is_seeded_ordered_and_fits_the_run():
                for r in schedule)
     with pytest.raises(ValueError, match="too few"):
         build_reclaim_schedule(seed=0, steps=30, notices=2, kills=1)
+
+
+def test_every_run_from_one_driver_process_gets_the_watcher_and_a_users_off_switch_holds(monkeypatch):
+    """eft turns Ray's own pre-emption watcher off (RAY_TRAIN_ENABLE_PREEMPTION_WATCHER=0) to put
+    its own in; that 0 must not read as the user's on the next run from the same process, nor in a
+    process it starts (a second run had no watcher, so no notice reached it). A 0 the user set
+    keeps the watcher off."""
+    from app.compat import RAY_PREEMPTION_WATCHER_ENV
+    from app.elastic.controller import OWN_WATCHER_ENV, build_controller_callbacks
+
+    def has_watcher() -> bool:
+        return any("Preemption" in type(c).__name__ for c in build_controller_callbacks(elastic=False))
+
+    monkeypatch.delenv(RAY_PREEMPTION_WATCHER_ENV, raising=False)
+    monkeypatch.delenv(OWN_WATCHER_ENV, raising=False)
+    assert has_watcher() and has_watcher()
+    assert os.environ[RAY_PREEMPTION_WATCHER_ENV] == "0"  # Ray's own stays off
+    monkeypatch.setenv(RAY_PREEMPTION_WATCHER_ENV, "0")
+    monkeypatch.delenv(OWN_WATCHER_ENV)
+    assert not has_watcher()

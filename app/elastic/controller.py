@@ -276,6 +276,10 @@ def build_fence_callback():
     return StopWhenLeaseLost()
 
 
+# Set beside RAY_TRAIN_ENABLE_PREEMPTION_WATCHER=0 when eft turned Ray's watcher off for its own.
+OWN_WATCHER_ENV = "EFT_OWN_PREEMPTION_WATCHER"
+
+
 def build_controller_callbacks(elastic: bool, fenced: bool = False) -> list:
     """The callbacks eft gives Ray Train's controller: the refresh-and-record callback for an
     elastic run, the run-lease check (`fenced`: the run holds a lease), and Ray's pre-emption
@@ -288,10 +292,15 @@ def build_controller_callbacks(elastic: bool, fenced: bool = False) -> list:
     callbacks = [build_refresh_callback()] if elastic else []
     if fenced:
         callbacks.append(build_fence_callback())
-    if os.environ.get(RAY_PREEMPTION_WATCHER_ENV, "1").strip().lower() not in ("0", "false"):
+    # The switch is set to 0 in this process (and so in its children) when eft puts its own
+    # watcher in Ray's place; only a 0 that eft did not set is the user's. Without the marker a
+    # second run from the same driver process, or a process it starts, went without a watcher.
+    turned_off = os.environ.get(RAY_PREEMPTION_WATCHER_ENV, "1").strip().lower() in ("0", "false")
+    if not turned_off or os.environ.get(OWN_WATCHER_ENV) == "1":
         watcher = build_preemption_callback()
         if watcher is not None:
             os.environ[RAY_PREEMPTION_WATCHER_ENV] = "0"
+            os.environ[OWN_WATCHER_ENV] = "1"
             callbacks.append(watcher)
     return [c for c in callbacks if c is not None]
 
