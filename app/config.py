@@ -477,9 +477,13 @@ class RlConfig(_Strict):
     """A completion stops at the chat template's end of turn, EOS, or this many tokens (truncated)."""
     rollout: Literal["colocated", "actors"] = "colocated"
     """`colocated`: each training worker samples its share of the prompts with the current policy,
-    in process (no weights move). `actors`: a pool of rollout actors (not built yet: docs/rl.md)."""
+    in process (no weights move). `actors`: a pool of `rollout_actors` Ray actors samples them with
+    the policy published after each step (transformers on each actor; docs/rl.md)."""
     rollout_actors: int = Field(0, ge=0)
-    """`rollout: actors`: the pool's size."""
+    """`rollout: actors`: the pool's size. The completions are the same at any size (seeded per
+    completion)."""
+    rollout_cpus_per_actor: float = Field(1.0, gt=0)
+    """`rollout: actors`: CPUs each actor reserves (and one GPU each when `scaling.use_gpu`)."""
     clip_low: float = Field(0.2, ge=0, lt=1)
     """The ratio's lower clip, 1 − clip_low."""
     clip_high: float = Field(0.2, ge=0)
@@ -520,7 +524,6 @@ class RlConfig(_Strict):
         if self.rollout == "actors":
             if self.rollout_actors == 0:
                 raise ValueError("rl.rollout actors needs rl.rollout_actors >= 1")
-            raise ValueError("rl.rollout actors is not built yet (docs/rl.md); use rl.rollout: colocated")
         return self
 
     def reward_names(self) -> list[str]:
@@ -812,6 +815,9 @@ class JobConfig(_Strict):
         if self.data.cross_document_attention:
             raise ValueError("training.objective grpo: data.cross_document_attention must stay false (a row packs "
                              "several completions that must not see each other)")
+        if self.rl.rollout == "actors" and self.lora is not None and self.lora.quantize_base is not None:
+            raise ValueError("rl.rollout actors with lora.quantize_base: the actors would sample from the unquantized "
+                             "base, not the policy being trained (use rl.rollout: colocated)")
 
     def _check_preference(self) -> None:
         """The objective, its reference and the dataset's format agree."""

@@ -41,6 +41,17 @@ def make_cfg(name: str, **sections):
     return build_config(tree)
 
 
+def assert_on_the_straight_trajectory(got: dict, straight: dict, steps: int) -> None:
+    """Steps 1..steps have the straight run's prompts, completion lengths, rewards and losses, up
+    to reduction order."""
+    for step in range(1, steps + 1):
+        a, b = straight[step], got[step]
+        assert b["rows_consumed"] == a["rows_consumed"] == 4 * step
+        assert b["reward_mean"] == pytest.approx(a["reward_mean"], abs=1e-6), step
+        assert b["completion_len_mean"] == a["completion_len_mean"], step
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-5), step
+
+
 @pytest.fixture(scope="module")
 def prompt_set(s3, ray_cluster):
     from app.rl.prompts import prepare_prompts
@@ -127,12 +138,52 @@ def test_a_grpo_run_through_a_notice_a_grow_and_a_hard_kill_ends_on_the_straight
     resized = {r["step"]: r for r in load_metrics(Store(), cfg.run_uri)}
     assert sorted(resized) == list(range(1, STEPS + 1))
     assert {resized[s]["world_size"] for s in range(1, STEPS + 1)} == {1, 2}
-    for step in range(1, STEPS + 1):
-        a, b = straight[step], resized[step]
-        assert b["rows_consumed"] == a["rows_consumed"] == 4 * step
-        assert b["reward_mean"] == pytest.approx(a["reward_mean"], abs=1e-6), step
-        assert b["completion_len_mean"] == a["completion_len_mean"], step
-        assert b["loss"] == pytest.approx(a["loss"], abs=1e-5), step
+    assert_on_the_straight_trajectory(resized, straight, STEPS)
+
+
+def test_rollout_actors_sample_the_straight_runs_completions_and_a_lost_actor_changes_no_step(prompt_set):
+    """The straight run's first steps on 1 worker whose rollouts 2 actors sample
+    (`rl.rollout: actors`), one of them dying mid-rollout after it sampled: Ray restarts it, the
+    call it held is sent again and its groups are regenerated whole from their seeds, from the
+    policy version it reads back from storage. Every step has the colocated 2-worker run's
+    completions, rewards and losses, up to reduction order."""
+    import threading
+    import time
+
+    import ray
+
+    from app.observe.records import load_events
+    from app.rl.actors import NAMESPACE, POLICY_FILE
+    from app.storage import join
+    from app.train.launch import run_training
+
+    steps, store = 6, Store()
+    straight = {r["step"]: r for r in load_metrics(store, make_cfg("grpo").run_uri)}
+    cfg = make_cfg("grpo-actors", training={"max_steps": steps}, scaling={"min_workers": 1, "max_workers": 1},
+                   rl={"rollout": "actors", "rollout_actors": 2}, checkpoint={"save_every_steps": steps})
+    result: dict = {}
+    runner = threading.Thread(target=lambda: result.update(summary=run_training(cfg)))
+    runner.start()
+    # Once policy version 2 is out (steps 1 and 2 done), actor 0's next call dies after sampling.
+    deadline = time.monotonic() + 300
+    while not store.exists(join(cfg.run_uri, "policy", "00000002", POLICY_FILE)):
+        assert runner.is_alive() and time.monotonic() < deadline, result
+        time.sleep(0.2)
+    names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                   if a["namespace"] == NAMESPACE and a["name"].startswith(f"eft-rollout-{cfg.name}-"))
+    assert len(names) == 2 and names[0].endswith("-0"), names
+    ray.get(ray.get_actor(names[0], namespace=NAMESPACE).exit_during_next_generate.remote())
+    runner.join(timeout=600)
+    assert result["summary"]["status"] == "succeeded" and result["summary"]["steps"] == steps, result
+    starts = [e for e in load_events(store, cfg.run_uri) if e["kind"] == "rollout_actor_start"]
+    assert sorted((e["actor"], e["restarted"]) for e in starts) == [(names[0], False), (names[0], True),
+                                                                   (names[1], False)], starts
+    got = {r["step"]: r for r in load_metrics(store, cfg.run_uri) if "reward_mean" in r}
+    assert sorted(got) == list(range(1, steps + 1))
+    assert_on_the_straight_trajectory(got, straight, steps)
+    # The last two policy versions stay in storage (a restarted actor reads them there), as
+    # safetensors: the versions before are deleted as the run goes.
+    assert store.list_dirs(join(cfg.run_uri, "policy")) == [f"{v:08d}" for v in (steps - 2, steps - 1)]
 
 
 def test_reward_errors_leave_their_groups_out_then_past_the_limit_stop_the_run_in_one_line(prompt_set):

@@ -259,6 +259,19 @@ def test_a_bad_grpo_config_is_one_line(rl, line):
     assert str(refused.value) == line
 
 
+def test_rollout_actors_refuse_a_quantized_base_in_one_line():
+    from app.config import ConfigError, build_config
+
+    job = {**GRPO_JOB, "lora": {"r": 8, "quantize_base": "nf4"},
+           "rl": {"reward": "exact_match", "rollout": "actors", "rollout_actors": 2}}
+    with pytest.raises(ConfigError) as refused:
+        build_config(job)
+    assert str(refused.value) == ("config: rl.rollout actors with lora.quantize_base: the actors would sample from the "
+                                  "unquantized base, not the policy being trained (use rl.rollout: colocated)")
+    job["rl"]["rollout"] = "colocated"
+    assert build_config(job).rl.rollout_actors == 2
+
+
 def test_an_unimportable_reward_is_one_line_before_storage_or_ray(tmp_path):
     """`eft train` builds the rewards right after the config: a `module:function` that does not
     import is one line, exit 1, with nothing heavy imported and no endpoint asked."""

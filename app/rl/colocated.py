@@ -76,7 +76,7 @@ class ColocatedRollouts:
         mine = self.my_prompts(step)
         prompt_ids = [self.prompts.tokens[i] for i in mine for _ in range(g)]
         seeds = [completion_seed(self.cfg.training.seed, step, self.prompts.ids[i], k) for i in mine for k in range(g)]
-        completions = self.sample(model, prompt_ids, seeds)
+        completions = self.sample(model, prompt_ids, seeds, step)
         sums = dict.fromkeys(SUM_STATS, 0.0) | {f"reward_{n}_sum": 0.0 for n in self.reward_names}
         rewards, errored, correct = [], [], []
         for gi, i in enumerate(mine):
@@ -124,7 +124,7 @@ class ColocatedRollouts:
                     None if errored[gi] else rewards[gi * g + k]) for gi, i in enumerate(mine) for k in range(g)]
         return RolloutStep(micro=micro, sums=sums, maxima=maxima, samples=samples)
 
-    def sample(self, model, prompt_ids: list[list[int]], seeds: list[int]):
+    def sample(self, model, prompt_ids: list[list[int]], seeds: list[int], step: int):
         """The completions, every rank forwarding until the last is done (a rank without prompts
         samples one throw-away row: FSDP2 needs its shards in each forward)."""
         module = getattr(model, "module", model)  # DDP's forward would sync buffers per call

@@ -343,13 +343,17 @@ def setup_prompt_data(cfg: JobConfig, store: Store, rank: int) -> DataParts:
 
 def build_rollouts(cfg: JobConfig, store: Store, manifest: dict, rank: int, world: int, device, autocast_dtype):
     from app.data.engines import load_tokenizer
-    from app.rl.colocated import ColocatedRollouts
     from app.rl.prompts import load_prompt_split
+
+    if cfg.rl.rollout == "actors":  # sampling on the pool; scoring, packing and the rest as colocated
+        from app.rl.actors import ActorRollouts as Rollouts
+    else:
+        from app.rl.colocated import ColocatedRollouts as Rollouts
 
     prompts = load_prompt_split(store, cfg.data.uri, manifest, "train")
     tokenizer = load_tokenizer(store, cfg.tokenizer_uri)
     facts = manifest["tokenizer"]
-    return ColocatedRollouts(cfg, prompts, tokenizer, manifest["stop_token_ids"], facts["pad_token_id"], rank, world,
+    return Rollouts(cfg, prompts, tokenizer, manifest["stop_token_ids"], facts["pad_token_id"], rank, world,
                              device, autocast_dtype)
 
 
