@@ -489,8 +489,9 @@ class RlConfig(_Strict):
     clip_high: float = Field(0.2, ge=0)
     """The ratio's upper clip, 1 + clip_high (DAPO's clip-higher: 0.28)."""
     kl_beta: float = Field(0.0, ge=0)
-    """Weight of the k3 estimate of KL(policy ‖ reference); the reference is the base with the LoRA
-    adapters disabled. 0: no reference forward."""
+    """Weight of the k3 estimate of KL(policy ‖ reference); the reference is the base: the model with
+    its LoRA adapters disabled, or for a full fine-tune a frozen copy (sharded like the policy).
+    0: no reference forward."""
     scale_rewards: Literal["group", "none"] = "group"
     """Advantages are reward − group mean, divided by the group's std (`group`) or not (`none`,
     Dr. GRPO)."""
@@ -809,9 +810,6 @@ class JobConfig(_Strict):
         if self.training.eval_every_steps:
             raise ValueError("training.eval_every_steps: grpo has no validation loss; score held-out prompts with an "
                              "eval section (eval.every_checkpoints)")
-        if self.rl.kl_beta and self.lora is None:
-            raise ValueError("rl.kl_beta > 0 needs a lora section (the reference is the model with its adapters "
-                             "disabled; a frozen full copy is not built yet)")
         if self.data.cross_document_attention:
             raise ValueError("training.objective grpo: data.cross_document_attention must stay false (a row packs "
                              "several completions that must not see each other)")

@@ -294,9 +294,12 @@ def estimate_memory(cfg: JobConfig, model_config, world: int, parallelism: str) 
     # of logits at a time, never a second model.
     live = cfg.reference_mode == "live" or (t.objective == "grpo" and cfg.rl.kl_beta > 0)
     reference = int(tokens * per_layer) + 8 * min(t.loss_chunk_tokens, tokens) * m.vocab if live else 0
+    # GRPO's KL reference for a full fine-tune is a frozen copy of the base, sharded as the policy.
+    frozen_copy = m.trainable.bytes(shards) if t.objective == "grpo" and cfg.rl.kl_beta > 0 and cfg.lora is None else 0
     buffers = m.buffer_bytes + int(tokens * 2 * m.head_dim * resid) + tokens * 16  # rotary cos/sin, ids, labels
     cuda_context = CUDA_CONTEXT_BYTES if on_gpu else 0
 
+    parameters += frozen_copy
     persistent = parameters + optimizer_state + buffers + cuda_context + (sharding if parallelism == "ddp" else 0)
     in_flight = sharding if parallelism == "fsdp" else 0
     phases = {
@@ -307,7 +310,7 @@ def estimate_memory(cfg: JobConfig, model_config, world: int, parallelism: str) 
     }
     if reference:
         phases["reference forward"] = persistent + in_flight + reference
-    if t.objective == "grpo":
+    if t.objective == "grpo" and cfg.rl.rollout == "colocated":  # actors sample in memory of their own
         phases["rollout"] = persistent + in_flight + rollout_bytes(cfg, m, world, mm)
     peak_phase = max(phases, key=phases.get)
     return MemoryEstimate(parallelism, world, int(parameters), int(gradients), int(optimizer_state),
@@ -396,8 +399,19 @@ def describe_reference(cfg: JobConfig) -> Optional[str]:
         return None
     if objective == "grpo":
         rl = cfg.rl
-        reference = (f"; rl.kl_beta {rl.kl_beta:g}: one no-grad forward with the adapters disabled per micro-batch "
-                     f"(the `reference forward` phase)" if rl.kl_beta else "; no reference (rl.kl_beta 0)")
+        if not rl.kl_beta:
+            reference = "; no reference (rl.kl_beta 0)"
+        elif cfg.lora is not None:
+            reference = (f"; rl.kl_beta {rl.kl_beta:g}: one no-grad forward with the adapters disabled per "
+                         f"micro-batch (the `reference forward` phase)")
+        else:
+            reference = (f"; rl.kl_beta {rl.kl_beta:g}: a frozen copy of the base, sharded as the policy (in the "
+                         f"parameters' total), one no-grad forward of it per micro-batch (the `reference forward` "
+                         f"phase)")
+        if rl.rollout == "actors":
+            return (f"grpo: rollouts of {rl.prompts_per_step} prompts x {rl.group_size} completions per step on "
+                    f"{rl.rollout_actors} rollout actor(s), each holding the whole policy in memory of its own "
+                    f"(not in this plan), the workers gathering the trainable weights once per step" + reference)
         return (f"grpo: colocated rollouts of {rl.prompts_per_step} prompts x {rl.group_size} completions per step, "
                 f"each rank sampling its share over a KV cache of data.seq_len tokens per row (the `rollout` phase)"
                 + reference)

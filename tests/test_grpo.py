@@ -179,12 +179,15 @@ def test_a_grpo_run_through_a_notice_a_grow_and_a_hard_kill_ends_on_the_straight
 def test_reward_errors_leave_their_groups_out_then_past_the_limit_stop_the_run_in_one_line(prompt_set):
     """A reward that raises on the odd numbers: the steps it fails in train on the other groups and
     count the failed ones (`reward_errors`), never scoring them 0; past `rl.max_reward_errors` the
-    run ends on one line naming the reward and the prompt."""
+    run ends on one line naming the reward and the prompt. The run is a full fine-tune with a KL
+    term, whose reference is a frozen copy of the base: 0 at step 1, then the policy moves off it."""
     from app.rl.rewards import RewardError
     from app.train.launch import run_training
 
-    cfg = make_cfg("grpo-errors", training={"max_steps": 4}, scaling={"min_workers": 1, "max_workers": 1},
-                   rl={"rewards": None, "reward": "app.dev.tasks:brevity_unless_odd_reward", "max_reward_errors": 12},
+    cfg = make_cfg("grpo-errors", lora=None, training={"max_steps": 4, "lr": 1e-4},
+                   scaling={"min_workers": 1, "max_workers": 1},
+                   rl={"rewards": None, "reward": "app.dev.tasks:brevity_unless_odd_reward", "max_reward_errors": 12,
+                       "kl_beta": 0.1},
                    fault_tolerance={"max_failures": 0}, checkpoint={"save_every_steps": 1})
     with pytest.raises(RewardError) as stopped:
         run_training(cfg)
@@ -197,3 +200,5 @@ def test_reward_errors_leave_their_groups_out_then_past_the_limit_stop_the_run_i
     assert rows and all(r["reward_errors"] >= 1 for r in rows), rows
     # Only the groups that scored are in the reward: brevity's values, never a 0 for a failure.
     assert all(0.0 < r["reward_mean"] <= 1.0 for r in rows)
+    kl = [r["kl"] for r in rows]
+    assert len(kl) >= 2 and kl[0] == 0.0 and all(k > 0 for k in kl[1:]), rows

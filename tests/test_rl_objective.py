@@ -237,6 +237,74 @@ def test_rollouts_pack_whole_with_their_advantages_and_score_as_they_would_alone
         pack_rollouts(prompts, completions, advantages, seq_len=10, pad_id=tok.pad_token_id)
 
 
+def test_a_full_fine_tunes_kl_reference_is_a_frozen_copy_of_the_base(tiny_policy):
+    """Without LoRA the reference is a frozen copy (app/model/build.py's `frozen`): at the base's
+    weights the KL is 0 exactly, and once the policy moves it is k3 of the two models' token
+    log-probs; the copy gets no gradient and does not move."""
+    import copy
+
+    from app.batch import IGNORE_INDEX
+    from app.config import build_config
+    from app.model.loss import token_logps
+    from app.rl.rollouts import pack_rollouts
+    from app.train.objective import build_objective
+
+    model, tok = tiny_policy
+    policy = copy.deepcopy(model).train()
+    reference = copy.deepcopy(model).requires_grad_(False).eval()
+    cfg = build_config({**GRPO_JOB, "rl": {"reward": "exact_match", "kl_beta": 0.1}})
+    objective = build_objective(cfg, reference)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(5, 290, (n,), generator=gen).tolist() for n in (4, 6, 3)]
+    completions = [torch.randint(5, 290, (n,), generator=gen).tolist() for n in (5, 2, 7)]
+    packed = pack_rollouts(prompts, completions, np.array([1.0, -0.5, 0.25], dtype=np.float32), 32, tok.pad_token_id)
+    ids, labels, positions = packed.rows
+    _, metrics = objective.forward(policy, ids, labels, positions, packed.advantages, torch.device("cpu"), None)
+    assert metrics[1].item() == 0.0  # k3 at equal log-probs
+    with torch.no_grad():
+        for param in policy.parameters():
+            param.add_(torch.randn(param.shape, generator=gen) * 0.02)
+    loss, metrics = objective.forward(policy, ids, labels, positions, packed.advantages, torch.device("cpu"), None)
+    x, y, p = (torch.as_tensor(a, dtype=torch.long) for a in (ids, labels, positions))
+    mask = y != IGNORE_INDEX
+    mask[:, 0] = False
+    with torch.no_grad():
+        logp, ref = (token_logps(m, x, y, None, p).double() for m in (policy, reference))
+    k3 = torch.exp(ref - logp) - (ref - logp) - 1
+    assert metrics[1].item() == pytest.approx((k3 * mask).sum().item(), rel=1e-4) and metrics[1].item() > 0
+    loss.backward()
+    assert all(q.grad is None for q in reference.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(reference.state_dict().values(), model.state_dict().values()))
+
+
+def test_the_plan_counts_a_full_fine_tunes_frozen_reference_and_leaves_actors_rollouts_out():
+    from pathlib import Path
+
+    from app.config import build_config
+    from app.model.architecture import parse_model_config
+    from app.plan import describe_reference, estimate_memory
+
+    path = Path(__file__).resolve().parents[1] / "jobs" / "models" / "Meta-Llama-3-8B" / "config.json"
+    model_config = parse_model_config(path.read_bytes(), str(path))
+    job = {**GRPO_JOB, "data": {**GRPO_JOB["data"], "seq_len": 1024}, "scaling": {"use_gpu": True},
+           "training": {**GRPO_JOB["training"], "micro_batch_size": 1}}
+    bare = build_config({**job, "rl": {"reward": "exact_match"}})
+    kl = build_config({**job, "rl": {"reward": "exact_match", "kl_beta": 0.1}})
+    # Many groups per rank: colocated, the rollout's KV cache is the workers' peak.
+    big = {"reward": "exact_match", "prompts_per_step": 64, "group_size": 16}
+    colocated = build_config({**job, "rl": big})
+    actors = build_config({**job, "rl": {**big, "rollout": "actors", "rollout_actors": 2}})
+    for world in (1, 8):
+        a, b = estimate_memory(bare, model_config, world, "fsdp"), estimate_memory(kl, model_config, world, "fsdp")
+        assert b.parameters - a.parameters == a.parameters  # the frozen copy, sharded as the policy
+        assert b.total_bytes > a.total_bytes
+    assert "a frozen copy of the base, sharded as the policy" in describe_reference(kl)
+    on_workers = estimate_memory(colocated, model_config, 8, "fsdp")
+    assert on_workers.peak_phase == "rollout"
+    assert estimate_memory(actors, model_config, 8, "fsdp").total_bytes < on_workers.total_bytes
+    assert "on 2 rollout actor(s)" in describe_reference(actors)
+
+
 GRPO_JOB = {"name": "grpo-bad", "model": {"uri": "s3://eft/models/m"}, "data": {"uri": "s3://eft/data/d", "seq_len": 64},
             "prepare": {"input_uri": "s3://eft/raw/p.jsonl", "format": "prompts"},
             "training": {"objective": "grpo", "max_steps": 2}, "storage": {"root_uri": "s3://eft/runs"}}

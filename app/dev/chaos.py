@@ -94,6 +94,22 @@ def start_cluster(worker_nodes: int, cpus_per_node: int = 2, head_cpus: int = 3)
     return LocalCluster(cluster, nodes, node_args)
 
 
+def reclaim_with_notice(cluster: LocalCluster, node, run: "RunWatcher", notice_s: float) -> dict:
+    """A spot reclaim as a cloud does it: a pre-emption notice on `node` with a deadline, the
+    run's just-in-time checkpoint, then the node gone a second before the deadline (so that the
+    node's loss, not Ray Train's own deadline, ends the group). The watcher may see the save a
+    poll late (a save 0.1 s before the deadline was missed by a watcher that gave up at it):
+    whether the save beat the deadline is the caller's to check, from the run's events. Returns
+    drain_accepted, deadline, jit_checkpoint_step and removed_at."""
+    noticed_at = time.time()
+    out = {"drain_accepted": cluster.preempt(node, deadline_s=notice_s), "deadline": noticed_at + notice_s}
+    out["jit_checkpoint_step"] = run.wait_jit_checkpoint(after=noticed_at, timeout_s=notice_s + 10)
+    time.sleep(max(out["deadline"] - 1.0 - time.time(), 0.0))
+    out["removed_at"] = time.time()
+    cluster.remove(node, graceful=True)
+    return out
+
+
 class RunWatcher:
     """Follows a run from its heartbeats in storage (what `eft status` reads too)."""
 

@@ -123,9 +123,11 @@ def load_weights_from_rank0(model: nn.Module, source: Optional[nn.Module], buffe
                                                                strict=not quantized))
 
 
-def build_model(cfg, store, device: torch.device, rank: int, world_size: int) -> nn.Module:
+def build_model(cfg, store, device: torch.device, rank: int, world_size: int, frozen: bool = False) -> nn.Module:
     """Base (+ LoRA) → precision → activation checkpointing → NF4 → compile → FSDP2 or DDP,
-    weights loaded."""
+    weights loaded. `frozen`: a copy that only forwards without gradients (GRPO's KL reference for
+    a full fine-tune): sharded like the policy under FSDP2, plain on each rank under DDP (which
+    has no gradients to reduce for it), without activation checkpointing, in eval mode."""
     from app.model.weights import WEIGHT_SUFFIXES, list_safetensors, load_mode, load_owned_weights
     from app.storage import Store
 
@@ -139,7 +141,9 @@ def build_model(cfg, store, device: torch.device, rank: int, world_size: int) ->
     # Ranged: only the small files (config, tokenizer) come to the node; the weights stay remote.
     local_dir = store.cache_locally(uri, skip_suffixes=WEIGHT_SUFFIXES if mode == "ranged" else ())
     model, buffers = build_meta_model(local_dir, precision.storage_dtype, cfg.lora)
-    if cfg.training.activation_checkpointing:
+    if frozen:
+        model.requires_grad_(False)
+    elif cfg.training.activation_checkpointing:
         apply_activation_checkpointing(model)
     quantized = apply_quantization(model, cfg.lora, shards=world_size if fsdp else 1, note=rank == 0)
     if cfg.training.compile:
@@ -157,6 +161,8 @@ def build_model(cfg, store, device: torch.device, rank: int, world_size: int) ->
         source = load_pretrained(local_dir, precision.storage_dtype, cfg.lora, cfg.training.seed) if rank == 0 else None
         load_weights_from_rank0(model, source, buffers, device, quantized)
         del source
+    if frozen:
+        return model.eval()
     if not fsdp:
         from torch.nn.parallel import DistributedDataParallel
 

@@ -45,6 +45,8 @@ POLICY_FILE = "policy.safetensors"
 # Restarts of one actor, and resends of the call it held, before the step fails (then the run
 # restarts from its checkpoint with a new pool, as for a lost training worker).
 MAX_RESTARTS = 4
+# How long the pool may take to start (each actor loads the model) before the step gives up.
+START_TIMEOUT_S = 600.0
 
 
 def policy_uri(run_uri: str, version: int) -> str:
@@ -94,6 +96,10 @@ class RolloutActor:
         record_event(self.store, self.cfg.run_uri, "rollout_actor_start", wait_s=2.0,
                      actor=ray.get_runtime_context().get_actor_name(), restarted=bool(restarted))
 
+    def ready(self) -> bool:
+        """Answered once the constructor is done (the model loaded)."""
+        return True
+
     def offer_policy(self, version: int, weights: dict) -> None:
         """Rank 0's object-store copy of a version; taken when a call asks for it."""
         self.offered = {version: weights}
@@ -129,6 +135,20 @@ class RolloutActor:
             raise RuntimeError(f"policy version {version}: weights the rollout model does not have: "
                                f"{result.unexpected_keys[:3]}")
         self.version, self.offered = version, {}
+
+
+def wait_until_started(actors: list, options: dict, timeout_s: float) -> None:
+    """Every actor up (its model loaded), or one line saying what did not fit, rather than a
+    first step that waits forever on actors the cluster has no room for."""
+    import ray
+
+    ready, _ = ray.wait([a.ready.remote() for a in actors], num_returns=len(actors), timeout=timeout_s)
+    if len(ready) < len(actors):
+        gpu = " and 1 GPU" if options["num_gpus"] else ""
+        raise RuntimeError(f"rl.rollout_actors: {len(actors) - len(ready)} of {len(actors)} rollout actor(s) "
+                           f"({options['num_cpus']:g} CPU{gpu} each, rl.rollout_cpus_per_actor) not started within "
+                           f"{timeout_s:.0f} s: the cluster has no room for them beside the workers")
+    ray.get(ready)  # an actor whose start raised (a model it cannot load) says so here
 
 
 def find_actor(name: str, timeout_s: float = 60.0):
@@ -168,6 +188,7 @@ class ActorRollouts(ColocatedRollouts):
             tree = self.cfg.model_dump(mode="json")
             actors = [remote.options(name=n, **options).remote(tree, sorted(self.stop_ids), self.pad_id)
                       for n in names]
+            wait_until_started(actors, options, START_TIMEOUT_S)
             log.info("rollout pool: %d actor(s) %s-*", len(names), names[0].rsplit("-", 1)[0])
         if dist.is_available() and dist.is_initialized():
             dist.barrier()

@@ -377,10 +377,15 @@ def setup_model(cfg: JobConfig, model_store: Store, device: torch.device, rank: 
     params = trainable_parameters(model)
     optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
     n_trainable, n_total = count_parameters(model)
+    reference = None
+    if t.objective == "grpo" and cfg.rl.kl_beta and cfg.lora is None:
+        # A full fine-tune's KL reference: the base, frozen (LoRA's is the policy, adapters off).
+        reference = build_model(cfg, model_store, device, rank, world, frozen=True)
+        apply_loss(reference, t.loss, t.loss_chunk_tokens)
     return ModelParts(module=model, row_seeds=row_seeds,
                       autocast_dtype=forward_autocast_dtype(model, precision.param_dtype), params=params,
-                      replicated=replicated_parameters(model), optimizer=optimizer, objective=build_objective(cfg),
-                      n_trainable=n_trainable, n_total=n_total)
+                      replicated=replicated_parameters(model), optimizer=optimizer,
+                      objective=build_objective(cfg, reference), n_trainable=n_trainable, n_total=n_total)
 
 
 def resume(w: Worker, config: dict) -> None:

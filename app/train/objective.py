@@ -110,8 +110,9 @@ class GrpoObjective:
 
     metric_names = ("clip_frac", "kl")
 
-    def __init__(self, cfg: JobConfig):
+    def __init__(self, cfg: JobConfig, reference=None):
         self.rl = cfg.rl
+        self.reference = reference  # a full fine-tune's frozen copy of the base; LoRA: None
 
     def units(self, labels: np.ndarray, positions: Optional[np.ndarray]) -> int:
         return label_tokens(labels)
@@ -130,7 +131,10 @@ class GrpoObjective:
 
     @torch.no_grad()
     def live_reference(self, model, x, y, positions, autocast_dtype) -> torch.Tensor:
-        """The tokens' log-probs under the base: the model with its LoRA adapters disabled."""
+        """The tokens' log-probs under the base: the model with its LoRA adapters disabled, or a
+        full fine-tune's frozen copy."""
+        if self.reference is not None:
+            return token_logps(self.reference, x, y, autocast_dtype, positions)
         peft_model = getattr(model, "module", model)
         was_training = model.training
         model.eval()
@@ -147,9 +151,9 @@ def as_tensors(inputs: np.ndarray, labels: np.ndarray, positions: Optional[np.nd
     return x, y, None if positions is None else torch.as_tensor(positions, dtype=torch.long, device=device)
 
 
-def build_objective(cfg: JobConfig):
+def build_objective(cfg: JobConfig, reference=None):
     if cfg.training.objective == "grpo":
-        return GrpoObjective(cfg)
+        return GrpoObjective(cfg, reference)
     return SftObjective() if cfg.training.objective == "sft" else PreferenceObjective(cfg)
 
 

@@ -57,15 +57,8 @@ def run_scenario(cluster: chaos.LocalCluster, out_path: str, config_path: str, n
         # on: on a loaded 2-core box its start took longer than a short run's remaining steps.
         wait_for_actor("PreemptionWatcher")
         log["notice_after_step"] = run.wait_step(notice_after_step, world_size=2)
-        noticed_at = time.time()
         # The node of rank 1 or of rank 0: either holds a worker of the 2.
-        log["drain_accepted"] = cluster.preempt(cluster.nodes[1], deadline_s=notice_s)
-        log["deadline"] = noticed_at + notice_s
-        log["jit_checkpoint_step"] = run.wait_jit_checkpoint(after=noticed_at, timeout_s=notice_s + 10)
-        # Gone a second before its deadline, as a reclaimed spot node goes.
-        time.sleep(max(log["deadline"] - 1.0 - time.time(), 0.0))
-        log["removed_at"] = time.time()
-        cluster.remove(cluster.nodes[1], graceful=True)
+        log.update(chaos.reclaim_with_notice(cluster, cluster.nodes[1], run, notice_s))
         log["shrunk_step"] = run.wait_step(log["jit_checkpoint_step"] + 2, world_size=1, after=log["removed_at"])
         cluster.add_node()
         log["added_at"] = time.time()

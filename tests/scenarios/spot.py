@@ -69,20 +69,10 @@ def run_scenario(cluster: chaos.LocalCluster, out_path: str, base_uri: str, data
     # a save on a loaded CI box (DPO steps there took 1-4 s), yet short enough that the late save
     # comes before the first epoch ends (tests/test_elastic.py).
     notice_s = 15
-    noticed_at = time.time()
-    log["drain_accepted"] = cluster.preempt(cluster.nodes[2], deadline_s=notice_s)
-    log["deadline"] = noticed_at + notice_s
     # The notice lands and training goes on; the just-in-time checkpoint is taken as late as
-    # is safe (complete in storage before the deadline) and the group drains. The node goes
-    # just before its deadline, as a reclaimed spot node does (a second before it, so that
-    # the node's loss, not Ray Train's own deadline, ends the group).
-    # The watcher itself may see the save a poll late: a save up 0.1 s before the deadline was
-    # missed by a watcher that gave up at it. Whether the save beat the deadline is the test's
-    # to check, from the run's events.
-    log["jit_checkpoint_step"] = run.wait_jit_checkpoint(after=noticed_at, timeout_s=notice_s + 10)
-    time.sleep(max(log["deadline"] - 1.0 - time.time(), 0.0))
-    log["removed_at"] = time.time()
-    cluster.remove(cluster.nodes[2], graceful=True)
+    # is safe (complete in storage before the deadline) and the group drains; the node goes
+    # just before its deadline, as a reclaimed spot node does.
+    log.update(chaos.reclaim_with_notice(cluster, cluster.nodes[2], run, notice_s))
     # The run must go on at 2 workers before capacity comes back and it grows to 3 again.
     log["resumed_on_two_at_step"] = run.wait_step(log["notice_after_step"] + 6, world_size=2)
     cluster.add_node()
