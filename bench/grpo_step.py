@@ -24,6 +24,7 @@ shape; the issue asks how often). The actors run transformers; vLLM is not avail
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import sys
 import tempfile
@@ -162,6 +163,7 @@ def main() -> None:
         result.update(actors_rollout_s=actors_s, actors_over_colocated=actors_s / med["rollout_s"],
                       completions_differing=differing, completions=completions)
     save_result("grpo_step" if not args.actors else "grpo_step_actors", result, table)
+    shutil.rmtree(work, ignore_errors=True)  # the published policy versions and the actors' events
 
 
 if __name__ == "__main__":

@@ -75,34 +75,31 @@ def test_grpo_run_on_two_workers_raises_its_reward_through_a_lost_rollout_actor(
     policy version it reads back from storage. The reward rises, and the spot test below holds
     colocated runs at world sizes 2, 1, 2 and 1 to this run's trajectory: the placement of the
     sampling changes no step."""
-    import threading
     import time
 
     import ray
 
+    from app.dev.chaos import BackgroundRun
     from app.observe.records import load_events
     from app.rl.actors import NAMESPACE, POLICY_FILE
     from app.storage import join
-    from app.train.launch import run_training
 
     _, manifest = prompt_set
     assert manifest["source"]["format"] == "prompts"
     assert manifest["records"]["skipped"] == 2
     cfg, store = make_cfg("grpo", rl={"rollout": "actors", "rollout_actors": 2}), Store()
-    result: dict = {}
-    runner = threading.Thread(target=lambda: result.update(summary=run_training(cfg)))
-    runner.start()
+    run = BackgroundRun(cfg, store)
     # Once policy version 2 is out (steps 1 and 2 done), actor 0's next call dies after sampling.
     deadline = time.monotonic() + 300
     while not store.exists(join(cfg.run_uri, "policy", "00000002", POLICY_FILE)):
-        assert runner.is_alive() and time.monotonic() < deadline, result
+        assert run.thread.is_alive() and time.monotonic() < deadline, run.result
         time.sleep(0.2)
     names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                    if a["namespace"] == NAMESPACE and a["name"].startswith(f"eft-rollout-{cfg.name}-"))
     assert len(names) == 2 and names[0].endswith("-0"), names
     ray.get(ray.get_actor(names[0], namespace=NAMESPACE).exit_during_next_generate.remote())
-    runner.join(timeout=900)
-    assert result["summary"]["status"] == "succeeded" and result["summary"]["steps"] == STEPS, result
+    summary = run.join(900)
+    assert summary is not None and summary["status"] == "succeeded" and summary["steps"] == STEPS, summary
     starts = [e for e in load_events(store, cfg.run_uri) if e["kind"] == "rollout_actor_start"]
     assert sorted((e["actor"], e["restarted"]) for e in starts) == [(names[0], False), (names[0], True),
                                                                    (names[1], False)], starts

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -108,6 +109,26 @@ def reclaim_with_notice(cluster: LocalCluster, node, run: "RunWatcher", notice_s
     out["removed_at"] = time.time()
     cluster.remove(node, graceful=True)
     return out
+
+
+class BackgroundRun:
+    """`run_training` on a thread of this process while a rehearsal acts on the cluster, and a
+    watcher that follows it from its records in storage."""
+
+    def __init__(self, cfg, store: Store):
+        from app.train.launch import run_training
+
+        self.result: dict = {}
+        self.thread = threading.Thread(target=lambda: self.result.update(summary=run_training(cfg, store)),
+                                       daemon=True)
+        self.started = time.time()
+        self.thread.start()
+        self.watcher = RunWatcher(store, cfg.run_uri, alive=self.thread.is_alive)
+
+    def join(self, timeout_s: float = 600) -> Optional[dict]:
+        """The run's summary, or None if it raised (its traceback is on stderr) or is still going."""
+        self.thread.join(timeout=timeout_s)
+        return self.result.get("summary")
 
 
 class RunWatcher:

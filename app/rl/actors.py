@@ -57,18 +57,14 @@ def actor_name(run_name: str, pool: str, index: int) -> str:
     return f"eft-rollout-{run_name}-{pool}-{index}"
 
 
-def gather_policy(module: torch.nn.Module, rank: int) -> dict[str, torch.Tensor]:
-    """The trainable weights, whole, on rank 0's CPU (every rank must call: FSDP2's shards are
-    gathered one parameter at a time, in the same order on every rank)."""
-    module = getattr(module, "module", module)  # DDP
-    out = {}
-    for name, param in module.named_parameters():
-        if not param.requires_grad:
-            continue
-        full = param.full_tensor() if hasattr(param, "full_tensor") else param
-        if rank == 0:
-            out[name] = full.detach().to("cpu", copy=True).contiguous()
-    return out
+def gather_policy(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable weights, whole, on rank 0's CPU (empty elsewhere). Every rank must call:
+    FSDP2's shards are gathered collectively. DDP's `module.` prefix is dropped, so the names are
+    the plain model's, as the actors' copy has them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                 ignore_frozen_params=True))
 
 
 class RolloutActor:
@@ -219,7 +215,7 @@ class ActorRollouts(ColocatedRollouts):
         import ray
         from safetensors.torch import save
 
-        weights = gather_policy(model, self.rank)
+        weights = gather_policy(model)
         if self.rank == 0:
             started = time.monotonic()
             self.store.write_bytes(policy_uri(self.cfg.run_uri, version), save(weights))

@@ -353,8 +353,8 @@ def build_rollouts(cfg: JobConfig, store: Store, manifest: dict, rank: int, worl
     prompts = load_prompt_split(store, cfg.data.uri, manifest, "train")
     tokenizer = load_tokenizer(store, cfg.tokenizer_uri)
     facts = manifest["tokenizer"]
-    return Rollouts(cfg, prompts, tokenizer, manifest["stop_token_ids"], facts["pad_token_id"], rank, world,
-                             device, autocast_dtype)
+    return Rollouts(cfg, prompts, tokenizer, manifest["stop_token_ids"], facts["pad_token_id"], rank, world, device,
+                    autocast_dtype)
 
 
 def load_validation_rows(cfg: JobConfig, store: Store, manifest: dict, isolate: bool) -> dict:
@@ -380,7 +380,8 @@ def setup_model(cfg: JobConfig, model_store: Store, device: torch.device, rank: 
     reference = None
     if t.objective == "grpo" and cfg.rl.kl_beta and cfg.lora is None:
         # A full fine-tune's KL reference: the base, frozen (LoRA's is the policy, adapters off).
-        reference = build_model(cfg, model_store, device, rank, world, frozen=True)
+        # Read through a Store of its own: model_store's byte count is the policy's load.
+        reference = build_model(cfg, Store.from_config(cfg.storage), device, rank, world, frozen=True)
         apply_loss(reference, t.loss, t.loss_chunk_tokens)
     return ModelParts(module=model, row_seeds=row_seeds,
                       autocast_dtype=forward_autocast_dtype(model, precision.param_dtype), params=params,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -41,15 +40,11 @@ def run_scenario(cluster: chaos.LocalCluster, out_path: str, config_path: str, n
                  notice_s: float) -> None:
     from app.config import build_config
     from app.storage import Store
-    from app.train.launch import run_training
 
     cfg = build_config(json.loads(Path(config_path).read_text()), source=config_path)
     store = Store()
-    result: dict = {}
-    thread = threading.Thread(target=lambda: result.update(summary=run_training(cfg, store)), daemon=True)
-    started = time.time()
-    thread.start()
-    run = chaos.RunWatcher(store, cfg.run_uri, alive=thread.is_alive)
+    background = chaos.BackgroundRun(cfg, store)
+    run, started = background.watcher, background.started
     log: dict = {}
     try:
         run.wait_step(notice_after_step, world_size=2)
@@ -68,9 +63,8 @@ def run_scenario(cluster: chaos.LocalCluster, out_path: str, config_path: str, n
         cluster.remove(cluster.nodes[0], graceful=False)
     except TimeoutError as err:
         log["error"] = str(err)
-    thread.join(timeout=600)
+    log["summary"] = background.join(600)
     log["wall_s"] = time.time() - started
-    log["summary"] = result.get("summary")
     log["recovery_s"] = {"preemption": run.recovery_after(log.get("removed_at", started)),
                          "hard_kill": run.recovery_after(log.get("killed_at", started))}
     Path(out_path).write_text(json.dumps(log, indent=2, default=str))

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -58,11 +57,8 @@ def run_scenario(cluster: chaos.LocalCluster, out_path: str, base_uri: str, data
         "storage": {"root_uri": "s3://eft/runs-spot"},
     })
     store = Store()
-    result: dict = {}
-    thread = threading.Thread(target=lambda: result.update(summary=run_training(cfg, store)), daemon=True)
-    started = time.time()
-    thread.start()
-    run = chaos.RunWatcher(store, cfg.run_uri, alive=thread.is_alive)
+    background = chaos.BackgroundRun(cfg, store)
+    run = background.watcher
 
     log = {"notice_after_step": run.wait_step(8)}
     # Long enough for several steps between the notice and the late just-in-time save, and for
@@ -82,9 +78,8 @@ def run_scenario(cluster: chaos.LocalCluster, out_path: str, base_uri: str, data
     run.wait_step(log["regrown_step"] + 5, world_size=3)
     log["killed_at"] = time.time()
     cluster.remove(cluster.nodes[0], graceful=False)
-    thread.join(timeout=600)
-    log["wall_s"] = time.time() - started
-    log["summary"] = result.get("summary")
+    log["summary"] = background.join(600)
+    log["wall_s"] = time.time() - background.started
     log["recovery_s"] = {"preemption": run.recovery_after(log["removed_at"]),
                          "hard_kill": run.recovery_after(log["killed_at"])}
     # The same run, uninterrupted on 1 worker: the reference trajectory (the world size changes
