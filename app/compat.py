@@ -307,6 +307,14 @@ def foreach_copy_(destinations: list, sources: list) -> None:
     torch._foreach_copy_(destinations, sources)
 
 
+@shim("torch", "torch._foreach_add_", "Tensor.add_ per tensor (one kernel launch each)", "torch 2.13.0")
+def foreach_add_(totals: list, addends: list) -> None:
+    """Add each addend into its total, in as few kernels as the device allows."""
+    import torch
+
+    torch._foreach_add_(totals, addends)
+
+
 @shim("torch", "nn.Module._compiled_call_impl",
       "none for Module.compile() in place (torch.compile(module) returns a wrapper instead)", "torch 2.13.0")
 def is_compiled_module(module) -> bool:

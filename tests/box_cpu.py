@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 STAT = Path("/proc/stat")
-TOP = 15
+TOP = int(os.environ.get("BOX_CPU_TOP", "15"))  # how many tests the summary lists
 MIN_WALL_S = 60.0
 
 

@@ -186,6 +186,8 @@ def test_foreach_copy_and_compiled_module_and_graph_count():
     dst, src = [torch.zeros(2), torch.zeros(3)], [torch.ones(2), torch.full((3,), 2.0)]
     compat.foreach_copy_(dst, src)
     assert all(d.equal(s) for d, s in zip(dst, src))
+    compat.foreach_add_(dst, src)
+    assert all(d.equal(2 * s) for d, s in zip(dst, src))
     class Block(torch.nn.Module):  # dynamo skips torch.nn's own modules at the top level
         def forward(self, x):
             return torch.relu(x) + 1

@@ -43,14 +43,16 @@ def make_cfg(name: str, **sections):
 
 
 def assert_on_the_straight_trajectory(got: dict, straight: dict, steps: int) -> None:
-    """Steps 1..steps have the straight run's prompts, completion lengths, rewards and losses, up
-    to reduction order."""
+    """Steps 1..steps have the straight run's prompts, completion lengths, rewards and losses. Each
+    group's gradient is the same bits at any world size and the step's sum is taken in float64
+    (app/rl/colocated.py), so the policies stay equal bit for bit: what differs is only the order
+    in which the logged float64 sums add the ranks' parts, about 1e-16 of them."""
     for step in range(1, steps + 1):
         a, b = straight[step], got[step]
         assert b["rows_consumed"] == a["rows_consumed"] == 4 * step
-        assert b["reward_mean"] == pytest.approx(a["reward_mean"], abs=1e-6), step
+        assert b["reward_mean"] == pytest.approx(a["reward_mean"], abs=1e-12), step
         assert b["completion_len_mean"] == a["completion_len_mean"], step
-        assert b["loss"] == pytest.approx(a["loss"], abs=1e-5), step
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-9, abs=1e-12), step
 
 
 @pytest.fixture(scope="module")

@@ -395,7 +395,12 @@ def test_a_step_samples_the_same_completions_at_world_1_and_2():
             model, step=3)
 
     whole = run(0, 1)
-    parts = [run(0, 2), run(1, 2)]
+    # No process group here: each "rank" reduces only its own statistics, so they are given the
+    # rows per group that the all-reduce's maximum would give both (the one rank's, which saw all).
+    rows = whole.maxima["group_rows"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ColocatedRollouts, "reduce", lambda self, sums, maxima: (sums, {**maxima, "group_rows": rows}))
+        parts = [run(0, 2), run(1, 2)]
     assert len(whole.samples) == 15 and sorted(s[:2] for s in whole.samples) == sorted(
         s[:2] for p in parts for s in p.samples)
     by_key = {s[:2]: s[2:] for p in parts for s in p.samples}
@@ -409,3 +414,45 @@ def test_a_step_samples_the_same_completions_at_world_1_and_2():
     for row_ids, inputs, labels, positions, advantages in whole.micro:
         assert inputs.shape == labels.shape == advantages.shape == (1, 96)
         assert not advantages[labels == -100].any()
+    # Each group's micro-batches are the same arrays (row ids, tokens, labels, positions, advantages)
+    # on whichever rank holds it: one rank holds prompt slots 0-4, rank 0 of 2 slots 0, 2, 4 and
+    # rank 1 slots 1, 3 and then a label-free padding group, so both forward as often.
+    per_group = len(whole.micro) // 5
+    assert per_group >= 1 and len(whole.micro) == 5 * per_group
+    assert len(parts[0].micro) == len(parts[1].micro) == 3 * per_group
+    by_slot = {j: whole.micro[j * per_group:(j + 1) * per_group] for j in range(5)}
+    held = {0: [0, 2, 4], 1: [1, 3]}
+    for rank, slots in held.items():
+        for n, slot in enumerate(slots):
+            for got, want in zip(parts[rank].micro[n * per_group:(n + 1) * per_group], by_slot[slot]):
+                assert all(np.array_equal(a, b) for a, b in zip(got, want)), (rank, slot)
+    padding = parts[1].micro[2 * per_group:]
+    assert padding and all((mb[2] == -100).all() and not mb[4].any() for mb in padding)
+    assert not set(np.concatenate([mb[0] for mb in padding])) & set(np.concatenate([mb[0] for mb in whole.micro]))
+
+
+def test_a_float64_gradient_sum_does_not_depend_on_the_order_of_the_micro_batches():
+    """Three micro-batches' gradients whose fp32 sum depends on the order (autograd accumulates
+    (1 + 1e-8) - 1 = 0, but (1 - 1) + 1e-8 = 1e-8): summed in float64, either order gives the
+    same gradient, bit for bit, and each micro-batch's own gradient leaves .grad for the next."""
+    from app.model.sharding import Float64GradSum
+
+    weight = torch.nn.Parameter(torch.zeros(2))
+    parts = [torch.tensor([1.0, 3.0]), torch.tensor([1e-8, 1e-7]), torch.tensor([-1.0, -3.0])]
+
+    def summed(order, exact: bool) -> torch.Tensor:
+        total = Float64GradSum([weight]) if exact else None
+        weight.grad = None
+        for i in order:
+            (weight * parts[i]).sum().backward()
+            if total is not None:
+                total.add_micro_batch()
+                assert weight.grad is None
+        if total is not None:
+            total.reduce_into_grads(world=1)
+        assert weight.grad.dtype == torch.float32
+        return weight.grad.clone()
+
+    assert not torch.equal(summed([0, 1, 2], exact=False), summed([0, 2, 1], exact=False))
+    assert torch.equal(summed([0, 1, 2], exact=True), summed([0, 2, 1], exact=True))
+    assert torch.equal(summed([2, 1, 0], exact=True), torch.tensor([1e-8, 1e-7]))

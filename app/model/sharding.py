@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from app.compat import foreach_copy_
+from app.compat import foreach_add_, foreach_copy_
 
 # inductor needs a C++ (CPU) or Triton (GPU) toolchain and minutes of compile on a small CPU box; the
 # CPU tests run the same wiring (dynamo + AOTAutograd) on "aot_eager" by setting this in-process.
@@ -70,6 +70,46 @@ def all_reduce_gradients(params: list[nn.Parameter], world: int) -> None:
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
     flat.div_(world)
     foreach_copy_(grads, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in grads]), grads)])
+
+
+class Float64GradSum:
+    """A step's gradient summed micro-batch by micro-batch in float64, then over the ranks, then
+    cast once to the parameters' dtype: GRPO's exact path (app/rl/colocated.py lays each group out
+    the same at any world size, so each micro-batch's gradient is bit for bit the same wherever it
+    is computed). Summed in fp32, as autograd accumulates, the step's gradient depends on the order
+    of the micro-batches and ranks, which the world size changes: a few ulps, which a later
+    sampling draw near a boundary turns into another token. In float64 the order moves the sum by
+    about 1e-16 of it, below fp32's rounding but for a sum within that of a rounding boundary.
+
+    Only for parameters the loop reduces itself (`replicated_parameters`, or any without FSDP2 at
+    world 1): the losses are scaled by 1 / global units, without the world size, and the ranks'
+    sums added, not averaged. Costs 8 bytes a trainable parameter (LoRA adapters), no host sync."""
+
+    def __init__(self, params: list[nn.Parameter]):
+        self.params = params
+        self.sums: Optional[list[torch.Tensor]] = None
+
+    def add_micro_batch(self) -> None:
+        """Move this micro-batch's gradients into the float64 sums."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        wide = [g.to(torch.float64) for g in grads]
+        if self.sums is None:
+            self.sums = wide
+        else:
+            foreach_add_(self.sums, wide)
+        for p in self.params:
+            p.grad = None
+
+    def reduce_into_grads(self, world: int) -> None:
+        """The step's gradients, summed over the ranks, as the parameters' `.grad`."""
+        if self.sums is None:
+            return
+        flat = torch.cat([s.reshape(-1) for s in self.sums])
+        if world > 1:
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        for p, v in zip(self.params, flat.split([s.numel() for s in self.sums])):
+            p.grad = v.view_as(p).to(p.dtype)
+        self.sums = None
 
 
 def forward_autocast_dtype(model: nn.Module, param_dtype: Optional[torch.dtype]) -> Optional[torch.dtype]:

@@ -7,9 +7,16 @@ need nothing from other ranks. Completion i of a prompt is drawn from the seed (
 prompt id, i) (app/rl/sampling.py): the step's completions are the same at any world size.
 
 What leaves the step, per rank: the same number of micro-batches on every rank (FSDP2 gathers in
-every forward), padded with label-free rows; each is `(row_ids, input_ids, labels, position_ids,
-advantages)`. A group whose reward raised is left out whole, never scored 0. The step's rollout
-statistics come back summed over ranks (two small collectives; the rollout is on the host anyway).
+every forward); each is `(row_ids, input_ids, labels, position_ids, advantages)`. Each prompt's
+group is packed on its own into R rows, R the most any group of the step needs (a maximum over
+every rank, so the same at any world size), and cut into micro-batches of min(R,
+`training.micro_batch_size`) rows that never mix groups. A group's arrays, and so its forward and
+its gradient, are therefore bit for bit the same whichever rank holds it at whatever world size:
+with the gradient summed in float64 (app.model.sharding.Float64GradSum), a step is the same
+function of the same rollouts at any world size, not just up to the order of the sums. A rank
+with fewer groups than another forwards label-free padding groups, whose gradient is exactly 0.
+A group whose reward raised is left out whole, never scored 0. The step's rollout statistics come
+back summed over ranks (two small collectives; the rollout is on the host anyway).
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from app.rl.sampling import completion_seed, sample_completions
 # The summed statistics of a step, in the order they travel in one tensor (per reward: its sum after).
 SUM_STATS = ("completions", "reward_sum", "reward_sq_sum", "correct", "groups", "groups_passed", "groups_zero_std",
              "groups_errored", "completion_tokens", "truncated", "trained_completions", "trained_tokens")
-MAX_STATS = ("rows", "completion_len_max")
+MAX_STATS = ("group_rows", "completion_len_max")
 
 
 @dataclass
@@ -112,14 +119,17 @@ class ColocatedRollouts:
                         completion_tokens=float(sum(lengths)), truncated=float(sum(completions.truncated)))
         if rl.mask_truncated:
             keep &= ~np.array(completions.truncated, dtype=bool)
-        kept = np.nonzero(keep)[0]
-        packed = pack_rollouts([prompt_ids[k] for k in kept], [completions.tokens[k] for k in kept],
-                               advantages[kept], self.cfg.data.seq_len, self.pad_id)
-        sums["trained_completions"] = float(len(kept))
-        sums["trained_tokens"] = float(packed.completion_tokens())
-        maxima = {"rows": float(len(packed.rows.input_ids)), "completion_len_max": float(max(lengths, default=0))}
+        groups = []
+        for gi in range(len(mine)):
+            kept = [k for k in range(gi * g, (gi + 1) * g) if keep[k]]
+            groups.append(pack_rollouts([prompt_ids[k] for k in kept], [completions.tokens[k] for k in kept],
+                                        advantages[kept], self.cfg.data.seq_len, self.pad_id))
+        sums["trained_completions"] = float(keep.sum())
+        sums["trained_tokens"] = float(sum(p.completion_tokens() for p in groups))
+        maxima = {"group_rows": float(max((len(p.rows.input_ids) for p in groups), default=0)),
+                  "completion_len_max": float(max(lengths, default=0))}
         sums, maxima = self.reduce(sums, maxima)
-        micro = self.micro_batches(packed, int(maxima["rows"]), step)
+        micro = self.micro_batches(groups, int(maxima["group_rows"]), step)
         samples = [(self.prompts.ids[i], k, completions.tokens[gi * g + k],
                     None if errored[gi] else rewards[gi * g + k]) for gi, i in enumerate(mine) for k in range(g)]
         return RolloutStep(micro=micro, sums=sums, maxima=maxima, samples=samples)
@@ -158,21 +168,33 @@ class ColocatedRollouts:
         dist.all_reduce(m, op=dist.ReduceOp.MAX)
         return dict(zip(sums, s.tolist())), dict(zip(maxima, m.tolist()))
 
-    def micro_batches(self, packed, rows_max: int, step: int) -> list:
-        """This rank's rows padded to the same number of micro-batches as every other rank's."""
-        micro = self.cfg.training.micro_batch_size
+    def micro_batches(self, groups: list, group_rows: int, step: int) -> list:
+        """This rank's groups, each padded to `group_rows` rows and cut into micro-batches of the same
+        shape, then label-free padding groups up to the count of the rank with the most."""
         seq = self.cfg.data.seq_len
-        total = max(math.ceil(rows_max / micro), 1) * micro
-        n = len(packed.rows.input_ids)
-        pad = total - n
-        inputs = np.concatenate([packed.rows.input_ids, np.full((pad, seq), self.pad_id, np.int64)])
-        labels = np.concatenate([packed.rows.labels, np.full((pad, seq), IGNORE_INDEX, np.int64)])
-        positions = np.concatenate([packed.rows.position_ids, np.tile(np.arange(seq, dtype=np.int64), (pad, 1))])
-        advantages = np.concatenate([packed.advantages, np.zeros((pad, seq), np.float32)])
-        # Row ids key dropout masks (app/model/dropout.py): unique per (step, rank, row).
-        row_ids = (step * 1_000_003 + self.rank * 10_007 + np.arange(total)).astype(np.int64)
-        return [(row_ids[i:i + micro], inputs[i:i + micro], labels[i:i + micro], positions[i:i + micro],
-                 advantages[i:i + micro]) for i in range(0, total, micro)]
+        chunk = max(min(self.cfg.training.micro_batch_size, group_rows), 1)
+        rows = math.ceil(max(group_rows, 1) / chunk) * chunk
+        per_rank = math.ceil(self.rl.prompts_per_step / self.world)
+        slots = [j for j in range(self.rl.prompts_per_step) if j % self.world == self.rank]
+        out = []
+        for n in range(per_rank):
+            packed = groups[n] if n < len(groups) else None
+            used = 0 if packed is None else len(packed.rows.input_ids)
+            pad = rows - used
+            parts = ([], [], [], []) if packed is None else (
+                [packed.rows.input_ids], [packed.rows.labels], [packed.rows.position_ids], [packed.advantages])
+            inputs = np.concatenate([*parts[0], np.full((pad, seq), self.pad_id, np.int64)])
+            labels = np.concatenate([*parts[1], np.full((pad, seq), IGNORE_INDEX, np.int64)])
+            positions = np.concatenate([*parts[2], np.tile(np.arange(seq, dtype=np.int64), (pad, 1))])
+            advantages = np.concatenate([*parts[3], np.zeros((pad, seq), np.float32)])
+            # Row ids key dropout masks (app/model/dropout.py): by (step, the group's slot in the
+            # step, row), so a group's masks do not depend on the rank that holds it. Padding
+            # groups take slots past the step's prompts.
+            slot = slots[n] if n < len(slots) else self.rl.prompts_per_step + self.rank * per_rank + n
+            row_ids = (step * 1_000_003 + slot * 1_009 + np.arange(rows)).astype(np.int64)
+            out += [(row_ids[i:i + chunk], inputs[i:i + chunk], labels[i:i + chunk], positions[i:i + chunk],
+                     advantages[i:i + chunk]) for i in range(0, rows, chunk)]
+        return out
 
 
 def summarize_rollouts(sums: dict, maxima: dict, reward_names: list[str], group_size: int) -> dict:

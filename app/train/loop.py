@@ -40,7 +40,8 @@ from app.model.build import build_model, count_parameters, resolve_precision, tr
 from app.model.dropout import apply_row_dropout
 from app.model.loss import apply_loss
 from app.model.mfu import mfu, model_flops_per_token, peak_flops
-from app.model.sharding import all_reduce_gradients, forward_autocast_dtype, replicated_parameters
+from app.model.sharding import (Float64GradSum, all_reduce_gradients, forward_autocast_dtype,
+                                replicated_parameters)
 from app.observe import records
 from app.observe.metrics import MetricsLog, StepTimer, format_progress, peak_memory
 from app.observe.nccl import NcclProbe
@@ -200,6 +201,9 @@ class ModelParts:
     objective: object  # app/train/objective.py: what a micro-batch's loss is, and what it is divided by
     n_trainable: int
     n_total: int
+    # GRPO with every trainable parameter reduced by the loop: the step's gradient summed in float64
+    # (app.model.sharding.Float64GradSum), the same at any world size; None elsewhere.
+    exact_sum: Optional[Float64GradSum] = None
 
 
 @dataclass
@@ -383,10 +387,13 @@ def setup_model(cfg: JobConfig, model_store: Store, device: torch.device, rank: 
         # Read through a Store of its own: model_store's byte count is the policy's load.
         reference = build_model(cfg, Store.from_config(cfg.storage), device, rank, world, frozen=True)
         apply_loss(reference, t.loss, t.loss_chunk_tokens)
+    replicated = replicated_parameters(model)
+    exact = t.objective == "grpo" and bool(replicated) and len(replicated) == len(params)
     return ModelParts(module=model, row_seeds=row_seeds,
                       autocast_dtype=forward_autocast_dtype(model, precision.param_dtype), params=params,
-                      replicated=replicated_parameters(model), optimizer=optimizer,
-                      objective=build_objective(cfg, reference), n_trainable=n_trainable, n_total=n_total)
+                      replicated=replicated, optimizer=optimizer,
+                      objective=build_objective(cfg, reference), n_trainable=n_trainable, n_total=n_total,
+                      exact_sum=Float64GradSum(replicated) if exact else None)
 
 
 def resume(w: Worker, config: dict) -> None:
@@ -463,15 +470,21 @@ def train_step(w: Worker) -> tuple[list, float, torch.Tensor]:
         global_units = all_reduce_sum(torch.tensor(float(sum(m.objective.units(mb[2], mb[3]) for mb in micro)),
                                                    dtype=torch.float64, device=w.device))
         p.units += global_units
-        scale = w.world / global_units.clamp(min=1)
+        # The exact sum adds the ranks' gradients; FSDP2, DDP and all_reduce_gradients average them.
+        scale = (1.0 if m.exact_sum is not None else w.world) / global_units.clamp(min=1)
         for i, (row_ids, inputs, labels, positions, *ref) in enumerate(micro):
             with grad_sync_context(m.module, enabled=i == len(micro) - 1), m.row_seeds.rows(row_ids, p.step):
                 loss, metrics = m.objective.forward(m.module, inputs, labels, positions, ref[0] if ref else None,
                                                     w.device, m.autocast_dtype)
                 (loss * scale).backward()
+            if m.exact_sum is not None:
+                m.exact_sum.add_micro_batch()
             p.loss_sum += loss.detach().double()
             p.metric_sums += metrics
-        all_reduce_gradients(m.replicated, w.world)
+        if m.exact_sum is not None:
+            m.exact_sum.reduce_into_grads(w.world)
+        else:
+            all_reduce_gradients(m.replicated, w.world)
     with timer.phase("optimizer"):
         grad_norm = torch.nn.utils.clip_grad_norm_(m.params, t.grad_clip_norm or float("inf"))
         m.optimizer.step()
