@@ -195,26 +195,31 @@ RAY_PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 
 @shim("ray", "ray.train.v2._internal.callbacks.preemption_callback.PreemptionCallback (its "
       "after_worker_group_start, _watcher, _stop_watcher, _poll_interval_s), "
-      "ray.train.v2._internal.execution.preemption.PreemptionWatcher, WorkerGroup.get_workers()",
-      "none: Ray Train starts its watcher itself, restartable with the worker actors' handles as "
-      "constructor arguments, which Ray's core worker logs as an error at every start", "ray 2.60.0")
+      "ray.train.v2._internal.execution.preemption.PreemptionWatcher (its constructor and _stop_event), "
+      "WorkerGroup.get_workers()",
+      "none: Ray Train starts its watcher itself, as a restartable actor of its own per worker group, "
+      "with the worker actors' handles as constructor arguments, which Ray's core worker logs as an "
+      "error at every start", "ray 2.60.0")
 def build_preemption_callback():
-    """Ray Train's pre-emption watcher callback, its watcher actor started with max_restarts=0 (run
-    with RAY_TRAIN_ENABLE_PREEMPTION_WATCHER=0 so Ray does not start its own as well).
+    """Ray Train's pre-emption watcher callback, its watcher run on a thread of the controller's
+    own process instead of in an actor of its own (run with RAY_TRAIN_ENABLE_PREEMPTION_WATCHER=0
+    so Ray does not start its own as well).
 
-    Why not restartable: the watcher's arguments are the handles of one worker group's actors.
-    Every worker-group start spawns a fresh watcher, and a node loss that could take the watcher
-    down takes its group down with it, so a restarted watcher would only watch a dead group; and
-    Ray warns (an error-level line at every start) that a restart could not rebuild those
-    arguments anyway. None if this Ray has no such callback."""
+    Why not an actor: the watcher is a poll loop on a thread already (the GCS's draining nodes,
+    then `mark_preempt` on each worker), and an actor costs a process per worker-group start that
+    imports Ray (about 1.5 CPU-seconds, on the restart path of every resize and node loss). On the
+    controller it lives and dies with what it serves: a node loss that takes the controller takes
+    the run with it. Why not restartable, as Ray's actor is: its arguments are the handles of one
+    worker group's actors, so a restarted watcher would only watch a dead group, and Ray warns (an
+    error-level line at every start) that a restart could not rebuild those arguments anyway. None
+    if this Ray has no such callback."""
     try:
         from ray.train.v2._internal.callbacks.preemption_callback import PreemptionCallback
         from ray.train.v2._internal.execution.preemption import PreemptionWatcher
     except ImportError:
         return None
-    import ray
 
-    class OneLifePreemptionCallback(PreemptionCallback):
+    class ControllerThreadPreemptionCallback(PreemptionCallback):
         def after_worker_group_start(self, worker_group) -> None:
             self._stop_watcher()
             node_to_ranks, actors_by_rank = {}, {}
@@ -222,11 +227,45 @@ def build_preemption_callback():
                 rank = worker.distributed_context.world_rank
                 node_to_ranks.setdefault(worker.metadata.node_id, []).append(rank)
                 actors_by_rank[rank] = worker.actor
-            self._watcher = ray.remote(num_cpus=0, max_restarts=0)(PreemptionWatcher).remote(
-                node_to_ranks=node_to_ranks, poll_interval_s=self._poll_interval_s,
-                worker_actors_by_rank=actors_by_rank)
+            self._watcher = PreemptionWatcher(node_to_ranks=node_to_ranks, poll_interval_s=self._poll_interval_s,
+                                              worker_actors_by_rank=actors_by_rank)
 
-    return OneLifePreemptionCallback()
+        def _stop_watcher(self) -> None:
+            watcher, self._watcher = self._watcher, None
+            if watcher is not None:
+                watcher._stop_event.set()  # its loop ends at its next wait; nothing to join
+
+    return ControllerThreadPreemptionCallback()
+
+
+@shim("ray", "DataParallelTrainer._create_default_callbacks, "
+      "ray.train.v2._internal.callbacks.DatasetsCallback (its before_init_train_context and _datasets)",
+      "none: Ray Train starts a DatasetManager actor for every worker group, whether or not the "
+      "trainer was given datasets", "ray 2.60.0")
+def build_torch_trainer_class():
+    """Ray Train's `TorchTrainer`, less the DatasetManager actor it starts per worker group when it
+    holds no datasets. eft gives it none: each worker streams its own rows (app/data/stream.py),
+    so that actor only cost a process per group start (about 1.5 CPU-seconds importing Ray and Ray
+    Data, on the restart path of every resize and node loss). The driver's DataContext still
+    reaches the workers, as Ray's callback does it; given datasets, the trainer is Ray's own."""
+    from ray.train.torch import TorchTrainer
+    from ray.train.v2._internal.callbacks import DatasetsCallback
+
+    class DatasetsCallbackWithoutManager(DatasetsCallback):
+        def before_init_train_context(self, workers) -> dict:
+            if not self._datasets:
+                return {}  # each worker's dataset_shard_provider stays None: nothing asks it
+            return super().before_init_train_context(workers)
+
+    class TorchTrainerWithoutIdleDatasetManager(TorchTrainer):
+        def _create_default_callbacks(self) -> list:
+            callbacks = super()._create_default_callbacks()
+            if self.datasets:
+                return callbacks
+            return [DatasetsCallbackWithoutManager(train_run_context=self.train_run_context, datasets={})
+                    if type(c) is DatasetsCallback else c for c in callbacks]
+
+    return TorchTrainerWithoutIdleDatasetManager
 
 
 RAY_CHECKPOINT_COPY = ("ray.train.v2._internal.execution.storage", "_pyarrow_fs_copy_files")

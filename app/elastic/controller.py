@@ -283,7 +283,7 @@ OWN_WATCHER_ENV = "EFT_OWN_PREEMPTION_WATCHER"
 def build_controller_callbacks(elastic: bool, fenced: bool = False) -> list:
     """The callbacks eft gives Ray Train's controller: the refresh-and-record callback for an
     elastic run, the run-lease check (`fenced`: the run holds a lease), and Ray's pre-emption
-    watcher started as a non-restartable actor (it is what `ray.train.get_preemption_info` reads;
+    watcher run on a thread of the controller (it is what `ray.train.get_preemption_info` reads;
     see app.compat.build_preemption_callback). Ray's own watcher is turned off in its place,
     through Ray Train's documented switch, which the driver propagates to the controller. A user
     who turned the watcher off keeps it off."""

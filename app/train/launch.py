@@ -117,8 +117,9 @@ def check_objective_fits(cfg: JobConfig, manifest: dict) -> None:
 
 def build_trainer(cfg: JobConfig, store: Store, train_fn=None, fence: Fence | None = None, validation_fn=None):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
 
+    from app.compat import build_torch_trainer_class
     from app.train.loop import train_loop_per_worker
 
     s = cfg.scaling
@@ -130,7 +131,7 @@ def build_trainer(cfg: JobConfig, store: Store, train_fn=None, fence: Fence | No
     num_workers = s.min_workers if s.min_workers == s.max_workers else (s.min_workers, s.max_workers)
     fs, root = store.resolve(cfg.storage.root_uri)
     callbacks = build_controller_callbacks(elastic=s.min_workers < s.max_workers, fenced=fence is not None)
-    return TorchTrainer(
+    return build_torch_trainer_class()(
         train_fn or train_loop_per_worker,
         train_loop_config={"cfg": cfg.model_dump(mode="json"), "mlflow": mlflow_settings(),
                            "fence": fence.to_dict() if fence is not None else None},

@@ -47,10 +47,8 @@ def run_scenario(cluster: chaos.LocalCluster, out_path: str, config_path: str, n
     run, started = background.watcher, background.started
     log: dict = {}
     try:
-        run.wait_step(notice_after_step, world_size=2)
-        # Ray Train's watcher of drains (an actor per worker group) must be up to pass a notice
-        # on: on a loaded 2-core box its start took longer than a short run's remaining steps.
-        wait_for_actor("PreemptionWatcher")
+        # Ray Train's watcher of drains runs on the controller from before the group's first step
+        # (app.compat.build_preemption_callback), so a notice after any step reaches the run.
         log["notice_after_step"] = run.wait_step(notice_after_step, world_size=2)
         # The node of rank 1 or of rank 0: either holds a worker of the 2.
         log.update(chaos.reclaim_with_notice(cluster, cluster.nodes[1], run, notice_s))
@@ -68,16 +66,6 @@ def run_scenario(cluster: chaos.LocalCluster, out_path: str, config_path: str, n
     log["recovery_s"] = {"preemption": run.recovery_after(log.get("removed_at", started)),
                          "hard_kill": run.recovery_after(log.get("killed_at", started))}
     Path(out_path).write_text(json.dumps(log, indent=2, default=str))
-
-
-def wait_for_actor(class_name: str, timeout_s: float = 120) -> None:
-    from ray.util.state import list_actors
-
-    deadline = time.time() + timeout_s
-    while not list_actors(filters=[("class_name", "=", class_name), ("state", "=", "ALIVE")]):
-        if time.time() > deadline:
-            raise TimeoutError(f"no live {class_name} actor within {timeout_s:.0f} s")
-        time.sleep(0.5)
 
 
 if __name__ == "__main__":
