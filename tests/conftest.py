@@ -126,12 +126,15 @@ def ray_cluster(s3):
 
     from app.cluster import own_dashboard_port, require_token_auth
     from app.compat import ray_session_dir
+    from app.dev.chaos import NO_PRESTART
 
     require_token_auth()  # a private token: nothing read from or written to ~/.ray
     # Its processes ask its own state API: a scenario's cluster runs beside this one.
     dashboard_port = own_dashboard_port()
+    # No idle workers started ahead of need (app/dev/chaos.py NO_PRESTART): 8 logical CPUs would
+    # start 8 at the first driver, on a box of 2 cores.
     ray.init(address="local", num_cpus=8, include_dashboard=True, dashboard_port=dashboard_port, log_to_driver=True,
-             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}, _system_config=NO_PRESTART)
     # Where `make test` looks for the reason if this driver is killed (tests/report_crash.py).
     session = Path(ray_session_dir())
     record = Path(__file__).resolve().parents[1] / "build" / "pytest-ray-session"

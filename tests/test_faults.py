@@ -1,7 +1,7 @@
-"""Faults that must not kill a run, tried as a user meets them: real Ray Train runs (2 CPU
+"""Faults that must not kill a run, tried as a user meets them: a real Ray Train run (2 CPU
 workers) whose storage goes through a misbehaving proxy in front of the local S3 endpoint
-(app/dev/faults.py), and a tracker that is down or hangs. A faulty run must finish on the
-same trajectory as an untouched one."""
+(app/dev/faults.py), and a tracker that is down or hangs. The faulty run must finish on the
+same trajectory as an untouched one: the session's shared straight run of the same job."""
 
 from __future__ import annotations
 
@@ -10,9 +10,6 @@ import threading
 import time
 
 import pytest
-from conftest import build_tiny_dataset
-
-from app.config import build_config
 from app.dev.faults import SlowDownProxy, TcpProxy
 from app.elastic.checkpoint import checkpoint_dir_name, is_complete
 from app.observe.metrics import load_metrics
@@ -21,24 +18,15 @@ from app.observe.sinks import MlflowSink
 from app.storage import Store, join
 from app.train.launch import run_training
 
-BASE = "s3://eft/models/tiny-faults"
-DATA = "s3://eft/data/fault-tests"
-STEPS = 16
+def faulted_config(endpoint: str):
+    """The session's shared straight run (tests/train_runs.py: 12 steps on 2 workers), its storage
+    behind `endpoint`, every checkpoint kept (one a restart resumed from is still there to be
+    looked at), without its scoring of checkpoints: the straight run is the untouched reference."""
+    from train_runs import make_cfg
 
-
-def make_cfg(name: str, endpoint: str | None = None, num_to_keep: int = 2):
-    return build_config({
-        "name": name,
-        "model": {"uri": BASE},
-        "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
-        "data": {"uri": DATA, "seq_len": 64, "validation_fraction": 0.05},
-        "prepare": {"input_uri": "s3://eft/raw/fault-tests.jsonl"},
-        "training": {"max_steps": STEPS, "global_batch_size": 4, "micro_batch_size": 2, "lr": 1e-2,
-                     "schedule": "constant"},
-        "checkpoint": {"save_every_steps": 4, "num_to_keep": num_to_keep},
-        "scaling": {"min_workers": 2, "max_workers": 2, "cpus_per_worker": 1},
-        "storage": {"root_uri": "s3://eft/runs-faults", "s3_endpoint": endpoint},
-    })
+    steps = make_cfg("x").training.max_steps
+    return make_cfg("faulted", checkpoint={"save_every_steps": 4, "num_to_keep": steps // 4},
+                    storage={"root_uri": "s3://eft/runs-faults", "s3_endpoint": endpoint})
 
 
 def closed_port() -> int:
@@ -47,44 +35,30 @@ def closed_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def dataset(s3, ray_cluster, tmp_path_factory):
-    return build_tiny_dataset(make_cfg("prep"), tmp_path_factory.mktemp("raw"), max_docs=120)
-
-
-@pytest.fixture(scope="module")
-def clean_run(dataset):
-    """The reference: the same job with nothing in the way."""
-    cfg = make_cfg("clean")
-    summary = run_training(cfg)
-    return summary, load_metrics(Store(), cfg.run_uri)
-
-
 def losses(metrics: list[dict]) -> dict[int, float]:
     return {m["step"]: m["loss"] for m in metrics}
 
 
 def assert_same_trajectory(metrics: list[dict], reference: list[dict]) -> None:
-    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    assert [m["step"] for m in metrics] == [m["step"] for m in reference] and len(reference) >= 8
     want = losses(reference)
     for step, loss in losses(metrics).items():
         assert loss == pytest.approx(want[step], rel=1e-6, abs=1e-9), step
 
 
-def test_an_outage_throttling_and_a_dead_tracker_cost_time_not_the_run(s3, clean_run, monkeypatch, capfd):
+def test_an_outage_throttling_and_a_dead_tracker_cost_time_not_the_run(s3, straight_run, monkeypatch, capfd):
     """One run meets all three (one Ray Train start instead of one each): 503 SlowDown to ~10% of
     all storage requests for the whole run; MLFLOW_TRACKING_URI at a closed port; and, once the run
     is past step 2, a proxy that drops every connection and refuses new ones for 20 s. Ray Train's
     controller, the workers' checkpoint uploads, the data stream, metrics and heartbeats all ride
-    it out; no torn checkpoint is ever resumed from; the run finishes identical to the clean one,
-    with a warning for MLflow."""
-    clean_summary, reference = clean_run
+    it out; no torn checkpoint is ever resumed from; the run finishes identical to the clean one (the
+    session's straight run: the same job with nothing in the way), with a warning for MLflow."""
+    _, clean_summary, reference = straight_run
     tracking_uri = f"http://127.0.0.1:{closed_port()}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_uri)
     # The outage cuts TCP in front; the throttling answers behind it, as an S3 front end would.
     with SlowDownProxy(s3.endpoint, fraction=0.1, seed=7) as throttle, TcpProxy(throttle.endpoint) as proxy:
-        # Every checkpoint kept: one a restart resumed from is still there to be looked at.
-        cfg = make_cfg("faulted", endpoint=proxy.endpoint, num_to_keep=STEPS // 4)
+        cfg = faulted_config(proxy.endpoint)
         seen: dict = {}
 
         def cut_mid_run() -> None:
@@ -105,9 +79,9 @@ def test_an_outage_throttling_and_a_dead_tracker_cost_time_not_the_run(s3, clean
         finally:
             seen["done"] = True
             cutter.join()
-    assert proxy.refusals == 1 and 2 <= seen["step"] < STEPS  # the outage hit mid-run
+    assert proxy.refusals == 1 and 2 <= seen["step"] < cfg.training.max_steps  # the outage hit mid-run
     assert throttle.log.count(503) >= 10  # the store really was throttling
-    assert summary["status"] == "succeeded" and summary["steps"] == STEPS
+    assert summary["status"] == "succeeded" and summary["steps"] == cfg.training.max_steps
     assert summary["final_train_loss"] == pytest.approx(clean_summary["final_train_loss"], rel=1e-6)
     assert_same_trajectory(load_metrics(Store(), cfg.run_uri), reference)
     store = Store()
