@@ -222,3 +222,30 @@ def straight_run(train_dataset, train_mlflow_uri):
     finally:
         del os.environ["MLFLOW_TRACKING_URI"], os.environ["MLFLOW_ALLOW_FILE_STORE"]
     return cfg, summary, load_metrics(Store(), cfg.run_uri)
+
+
+@pytest.fixture(scope="session")
+def grpo_prompt_set(s3, ray_cluster):
+    """GRPO's parity prompt set (tests/spot_runs.py), prepared once: (config, manifest)."""
+    from spot_runs import prepare_grpo_prompts
+
+    return prepare_grpo_prompts()
+
+
+@pytest.fixture(scope="session")
+def spot_scenarios(s3, ray_cluster, grpo_prompt_set, tmp_path_factory, run_scenario):
+    """tests/scenarios/spot.py once, on one 3-node cluster of its own: the DPO run through a
+    notice, a grow and a kill (tests/test_elastic.py), then GRPO's run through a spot node's life
+    on the 2 nodes left (tests/test_grpo.py). Returns the process, each part's result file (each
+    consumer checks its own) and the DPO dataset's manifest."""
+    from spot_runs import DPO_BASE, DPO_DATA, build_dpo_pairs, grpo_spot_cfg
+
+    manifest = build_dpo_pairs(tmp_path_factory.mktemp("raw"))
+    work = tmp_path_factory.mktemp("spot")
+    config_path = work / "grpo-spot.json"
+    config_path.write_text(grpo_spot_cfg().model_dump_json())
+    dpo, grpo = work / "dpo.json", work / "grpo.json"
+    # GRPO's notice comes after step 3, with 12 s to its deadline.
+    proc = run_scenario("spot", str(dpo), DPO_BASE, DPO_DATA, s3.endpoint, str(grpo), str(config_path), "3", "12",
+                        timeout_s=1500)
+    return {"proc": proc, "dpo": dpo, "grpo": grpo, "dpo_manifest": manifest}

@@ -18,9 +18,7 @@ import math
 from types import SimpleNamespace
 
 import pytest
-from conftest import build_tiny_preference_dataset
 
-from app.config import build_config
 from app.data.stream import DataOrder
 from app.elastic.preemption import PreemptionDrained, PreemptionWatcher
 from app.observe.metrics import load_metrics
@@ -28,29 +26,20 @@ from app.observe.records import load_events
 from app.observe.summary import build_interruptions
 from app.storage import Store
 
-BASE, DATA = "s3://eft/models/tiny-spot", "s3://eft/data/spot"
 STEPS = 140  # the scenario's default (tests/scenarios/spot.py)
-SEQ_LEN = 96  # as the scenario's: a pair of the pydoc topics' short answers fits
 RUN = "s3://eft/runs-spot/spot"
 
 
 @pytest.fixture(scope="module")
-def spot_result(s3, ray_cluster, tmp_path_factory, run_scenario):
-    manifest = build_tiny_preference_dataset(build_config({
-        "name": "p", "model": {"uri": BASE}, "data": {"uri": DATA, "seq_len": SEQ_LEN}, "lora": {"r": 8},
-        "prepare": {"input_uri": "s3://eft/raw/spot-pairs.jsonl", "format": "preference"},
-        "storage": {"root_uri": "s3://eft/runs-spot"}, "training": {"max_steps": 1, "objective": "dpo"}}),
-        # Every pair the topics give (469 rows, 39 steps an epoch): the notice comes with several
-        # steps left before the first epoch opening, which the late save then comes before (see
-        # PreemptionWatcher), rather than at the notice step itself.
-        tmp_path_factory.mktemp("raw"), per_topic=1000)
-    out = tmp_path_factory.mktemp("spot") / "result.json"
-    proc = run_scenario("spot", str(out), BASE, DATA, s3.endpoint, timeout_s=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+def spot_result(spot_scenarios):
+    """The DPO part of tests/scenarios/spot.py (conftest.py's `spot_scenarios`, which also takes
+    GRPO's run through a node's life on the same cluster afterwards)."""
+    proc, out = spot_scenarios["proc"], spot_scenarios["dpo"]
+    assert out.exists(), proc.stderr[-4000:]
     # Beside this session's Ray, the scenario's processes still ask their own cluster's state API
     # (Ray Train's placement-group cleaner among them: app/cluster.py's state_api_env).
     assert "Found multiple active Ray instances" not in proc.stderr
-    return json.loads(out.read_text()), manifest
+    return json.loads(out.read_text()), spot_scenarios["dpo_manifest"]
 
 
 def test_spot_reclaim_saves_late_drains_and_recomputes_nothing(spot_result):

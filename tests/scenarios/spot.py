@@ -1,8 +1,13 @@
 """A spot reclaim and a hard kill on a real multi-node Ray cluster on one machine (run as a
-subprocess by tests/test_elastic.py, so it owns its Ray cluster): 3 worker nodes, min 2 / max 3
-workers, a DPO run on precomputed reference log-probs. Mid-run one node gets a pre-emption drain notice with a deadline and is then removed;
-a node is added back and the run grows to 3; then a node is killed outright, without notice,
-and the run finishes on 2. Writes what happened to the JSON file named on the command line."""
+subprocess by tests/conftest.py's `spot_scenarios`, so it owns its Ray cluster): 3 worker nodes,
+min 2 / max 3 workers, a DPO run on precomputed reference log-probs. Mid-run one node gets a
+pre-emption drain notice with a deadline and is then removed; a node is added back and the run
+grows to 3; then a node is killed outright, without notice, and the run finishes on 2. Writes
+what happened to the JSON file named on the command line.
+
+Given a second output file and a run's config (JSON), the same cluster then takes that run
+through a spot node's whole life on the 2 nodes left (tests/scenarios/reclaim_notice_grow_kill.py:
+GRPO for tests/test_grpo.py): one cluster start and one driver for both rehearsals."""
 
 from __future__ import annotations
 
@@ -21,13 +26,20 @@ chaos.configure_fast_failure_detection()
 REFERENCE_PAST_RESTART = 5
 
 
-def main(out_path: str, base_uri: str, data_uri: str, s3_endpoint: str) -> None:
+def main(out_path: str, base_uri: str, data_uri: str, s3_endpoint: str, *then: str) -> None:
+    """`then`: (out_path, config_path, notice_after_step, notice_s) of a run for
+    reclaim_notice_grow_kill on the same cluster, after this one."""
     import ray
 
     local.point_env_at(s3_endpoint)
     cluster = chaos.start_cluster(worker_nodes=3)
     try:
         run_scenario(cluster, out_path, base_uri, data_uri)
+        if then:
+            from reclaim_notice_grow_kill import run_scenario as run_through_a_nodes_life
+
+            then_out, config_path, notice_after_step, notice_s = then
+            run_through_a_nodes_life(cluster, then_out, config_path, int(notice_after_step), float(notice_s))
     finally:
         ray.shutdown()
         cluster.shutdown()
@@ -101,4 +113,4 @@ def run_scenario(cluster: chaos.LocalCluster, out_path: str, base_uri: str, data
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:])
