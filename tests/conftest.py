@@ -19,6 +19,12 @@ from pathlib import Path
 
 import pytest
 
+# The fast tier runs one pytest-xdist worker per core: each worker's torch (and the CLI processes it
+# starts) on one intra-op thread, not one per core, so that the workers do not oversubscribe the
+# cores (OpenMP threads spin while they wait for work another worker's threads hold the core for).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.dev import local  # noqa: E402
