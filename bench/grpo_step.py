@@ -130,7 +130,7 @@ def main() -> None:
         if step:
             rows.append({"step": step, "rollout_s": rollout_s, "update_s": grpo_s, "sft_s": sft_s,
                          "generated_tokens": built.sums["completion_tokens"],
-                         "trained_tokens": built.sums["trained_tokens"], "rows": len(built.micro) * 8,
+                         "trained_tokens": built.sums["trained_tokens"], "positions": sum(m[1].size for m in built.micro),
                          "reward_mean": built.sums["reward_sum"] / max(built.sums["completions"], 1)})
             if on_actors is not None:
                 differ = sum(a[2] != b[2] for a, b in zip(built.samples, remote.samples))

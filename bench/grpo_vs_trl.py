@@ -63,6 +63,7 @@ def run_eft(args) -> dict:
     from app.eval.render import PromptRenderer
     from app.eval.sets import build_record
     from app.model.loss import apply_loss
+    from app.model.sharding import Float64GradSum
     from app.rl.colocated import ColocatedRollouts
     from app.rl.prompts import PromptSet, build_prompt_id
     from app.train.objective import GrpoObjective
@@ -87,6 +88,7 @@ def run_eft(args) -> dict:
     grpo = GrpoObjective(cfg)
     params = [q for q in model.parameters() if q.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=LR)
+    exact = Float64GradSum(params)
     steps = []
     for step in range(args.steps + 1):
         began = time.perf_counter()
@@ -95,6 +97,8 @@ def run_eft(args) -> dict:
         for _, x, y, positions, advantages in built.micro:
             loss, _ = grpo.forward(model, x, y, positions, advantages, torch.device("cpu"), None)
             (loss / max(units, 1)).backward()
+            exact.add_micro_batch()  # as the worker sums a GRPO step's gradient (app/train/loop.py)
+        exact.reduce_into_grads(world=1)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

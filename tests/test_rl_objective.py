@@ -396,10 +396,12 @@ def test_a_step_samples_the_same_completions_at_world_1_and_2():
 
     whole = run(0, 1)
     # No process group here: each "rank" reduces only its own statistics, so they are given the
-    # rows per group that the all-reduce's maximum would give both (the one rank's, which saw all).
-    rows = whole.maxima["group_rows"]
+    # micro-batch count the all-reduce's maximum would give both (here the one rank's, which is
+    # more than either rank's own).
+    count = whole.maxima["micro_batches"]
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ColocatedRollouts, "reduce", lambda self, sums, maxima: (sums, {**maxima, "group_rows": rows}))
+        patch.setattr(ColocatedRollouts, "reduce",
+                      lambda self, sums, maxima: (sums, {**maxima, "micro_batches": count}))
         parts = [run(0, 2), run(1, 2)]
     assert len(whole.samples) == 15 and sorted(s[:2] for s in whole.samples) == sorted(
         s[:2] for p in parts for s in p.samples)
@@ -410,25 +412,43 @@ def test_a_step_samples_the_same_completions_at_world_1_and_2():
     # Another step draws other completions of the same prompts.
     again = ColocatedRollouts(cfg, prompts, tok, renderer.stop_ids, pad, 0, 1, torch.device("cpu")).build(model, 4)
     assert {s[:2]: s[2] for s in again.samples} != {s[:2]: s[2] for s in whole.samples}
-    # Every micro-batch is whole, its advantages only on completion tokens.
+    # Every micro-batch is whole, its advantages only on completion tokens, at most micro_batch_size
+    # x seq_len tokens.
     for row_ids, inputs, labels, positions, advantages in whole.micro:
-        assert inputs.shape == labels.shape == advantages.shape == (1, 96)
+        assert inputs.shape == labels.shape == advantages.shape == positions.shape
+        assert inputs.size <= 96 and inputs.shape[1] % 8 == 0
         assert not advantages[labels == -100].any()
     # Each group's micro-batches are the same arrays (row ids, tokens, labels, positions, advantages)
     # on whichever rank holds it: one rank holds prompt slots 0-4, rank 0 of 2 slots 0, 2, 4 and
-    # rank 1 slots 1, 3 and then a label-free padding group, so both forward as often.
-    per_group = len(whole.micro) // 5
-    assert per_group >= 1 and len(whole.micro) == 5 * per_group
-    assert len(parts[0].micro) == len(parts[1].micro) == 3 * per_group
-    by_slot = {j: whole.micro[j * per_group:(j + 1) * per_group] for j in range(5)}
-    held = {0: [0, 2, 4], 1: [1, 3]}
-    for rank, slots in held.items():
-        for n, slot in enumerate(slots):
-            for got, want in zip(parts[rank].micro[n * per_group:(n + 1) * per_group], by_slot[slot]):
-                assert all(np.array_equal(a, b) for a, b in zip(got, want)), (rank, slot)
-    padding = parts[1].micro[2 * per_group:]
-    assert padding and all((mb[2] == -100).all() and not mb[4].any() for mb in padding)
-    assert not set(np.concatenate([mb[0] for mb in padding])) & set(np.concatenate([mb[0] for mb in whole.micro]))
+    # rank 1 slots 1, 3; each rank then forwards label-free one-row padding micro-batches up to
+    # the count of the rank with the most.
+    def by_slot(micro):
+        out = {}
+        for mb in micro:
+            out.setdefault(int(mb[0][0] - 3 * 1_000_003) // 1_009, []).append(mb)
+        return out
+
+    whole_slots = by_slot(whole.micro)
+    assert sorted(whole_slots) == [0, 1, 2, 3, 4]
+    for rank, slots in {0: [0, 2, 4], 1: [1, 3]}.items():
+        got = by_slot(parts[rank].micro)
+        assert len(parts[rank].micro) == count
+        for slot in slots:
+            assert len(got[slot]) == len(whole_slots[slot])
+            for a, b in zip(got[slot], whole_slots[slot]):
+                assert all(np.array_equal(x, y) for x, y in zip(a, b)), (rank, slot)
+        padding = [mb for slot, mbs in got.items() if slot >= 5 for mb in mbs]
+        assert len(padding) == count - sum(len(whole_slots[j]) for j in slots)
+        assert all(mb[1].shape == (1, 8) and (mb[2] == -100).all() and not mb[4].any() for mb in padding)
+    # A group is packed at the width that takes the fewest positions (the narrower on a tie): three
+    # 5-token rollouts share one row of 16; three of 30 take a row of 32 each (96 positions, as one
+    # row of 96 does; two rows of 64 would take 128).
+    from app.rl.colocated import pack_group
+
+    short = pack_group([[1, 2]] * 3, [[3, 4, 5]] * 3, np.ones(3, np.float32), 96, 0)
+    assert short.rows.input_ids.shape == (1, 16)
+    long = pack_group([[1, 2]] * 3, [list(range(3, 31))] * 3, np.ones(3, np.float32), 96, 0)
+    assert long.rows.input_ids.shape == (3, 32) and long.completion_tokens() == 3 * 28
 
 
 def test_a_float64_gradient_sum_does_not_depend_on_the_order_of_the_micro_batches():

@@ -8,15 +8,15 @@ prompt id, i) (app/rl/sampling.py): the step's completions are the same at any w
 
 What leaves the step, per rank: the same number of micro-batches on every rank (FSDP2 gathers in
 every forward); each is `(row_ids, input_ids, labels, position_ids, advantages)`. Each prompt's
-group is packed on its own into R rows, R the most any group of the step needs (a maximum over
-every rank, so the same at any world size), and cut into micro-batches of min(R,
-`training.micro_batch_size`) rows that never mix groups. A group's arrays, and so its forward and
-its gradient, are therefore bit for bit the same whichever rank holds it at whatever world size:
-with the gradient summed in float64 (app.model.sharding.Float64GradSum), a step is the same
-function of the same rollouts at any world size, not just up to the order of the sums. A rank
-with fewer groups than another forwards label-free padding groups, whose gradient is exactly 0.
-A group whose reward raised is left out whole, never scored 0. The step's rollout statistics come
-back summed over ranks (two small collectives; the rollout is on the host anyway).
+group is packed on its own (`pack_group`), at the row width that takes it in the fewest positions,
+and cut into micro-batches of at most `training.micro_batch_size × data.seq_len` tokens that never
+mix groups. A group's arrays, and so its forward and its gradient, are therefore bit for bit the
+same whichever rank holds it at whatever world size: with the gradient summed in float64
+(app.model.sharding.Float64GradSum), a step is the same function of the same rollouts at any world
+size, not just up to the order of the sums. A rank with fewer micro-batches than another forwards
+one-row label-free padding micro-batches, whose gradient is exactly 0. A group whose reward raised
+is left out whole, never scored 0. The step's rollout statistics come back summed over ranks (two
+small collectives; the rollout is on the host anyway).
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ from app.rl.sampling import completion_seed, sample_completions
 # The summed statistics of a step, in the order they travel in one tensor (per reward: its sum after).
 SUM_STATS = ("completions", "reward_sum", "reward_sq_sum", "correct", "groups", "groups_passed", "groups_zero_std",
              "groups_errored", "completion_tokens", "truncated", "trained_completions", "trained_tokens")
-MAX_STATS = ("group_rows", "completion_len_max")
+MAX_STATS = ("micro_batches", "completion_len_max")
+WIDTH_STEP = 8  # the row widths a group is packed at: multiples of this, up to data.seq_len
 
 
 @dataclass
@@ -122,14 +123,14 @@ class ColocatedRollouts:
         groups = []
         for gi in range(len(mine)):
             kept = [k for k in range(gi * g, (gi + 1) * g) if keep[k]]
-            groups.append(pack_rollouts([prompt_ids[k] for k in kept], [completions.tokens[k] for k in kept],
-                                        advantages[kept], self.cfg.data.seq_len, self.pad_id))
+            groups.append(pack_group([prompt_ids[k] for k in kept], [completions.tokens[k] for k in kept],
+                                     advantages[kept], self.cfg.data.seq_len, self.pad_id))
         sums["trained_completions"] = float(keep.sum())
         sums["trained_tokens"] = float(sum(p.completion_tokens() for p in groups))
-        maxima = {"group_rows": float(max((len(p.rows.input_ids) for p in groups), default=0)),
-                  "completion_len_max": float(max(lengths, default=0))}
+        micro = self.micro_batches(groups, step)
+        maxima = {"micro_batches": float(len(micro)), "completion_len_max": float(max(lengths, default=0))}
         sums, maxima = self.reduce(sums, maxima)
-        micro = self.micro_batches(groups, int(maxima["group_rows"]), step)
+        micro += self.padding(int(maxima["micro_batches"]) - len(micro), step)
         samples = [(self.prompts.ids[i], k, completions.tokens[gi * g + k],
                     None if errored[gi] else rewards[gi * g + k]) for gi, i in enumerate(mine) for k in range(g)]
         return RolloutStep(micro=micro, sums=sums, maxima=maxima, samples=samples)
@@ -168,33 +169,54 @@ class ColocatedRollouts:
         dist.all_reduce(m, op=dist.ReduceOp.MAX)
         return dict(zip(sums, s.tolist())), dict(zip(maxima, m.tolist()))
 
-    def micro_batches(self, groups: list, group_rows: int, step: int) -> list:
-        """This rank's groups, each padded to `group_rows` rows and cut into micro-batches of the same
-        shape, then label-free padding groups up to the count of the rank with the most."""
-        seq = self.cfg.data.seq_len
-        chunk = max(min(self.cfg.training.micro_batch_size, group_rows), 1)
-        rows = math.ceil(max(group_rows, 1) / chunk) * chunk
-        per_rank = math.ceil(self.rl.prompts_per_step / self.world)
+    def micro_batches(self, groups: list, step: int) -> list:
+        """This rank's groups, each cut into micro-batches of at most micro_batch_size × seq_len
+        tokens at its own width. Row ids key dropout masks (app/model/dropout.py): by (step, the
+        group's slot in the step, row), so a group's masks do not depend on the rank holding it."""
+        tokens = self.cfg.training.micro_batch_size * self.cfg.data.seq_len
         slots = [j for j in range(self.rl.prompts_per_step) if j % self.world == self.rank]
         out = []
-        for n in range(per_rank):
-            packed = groups[n] if n < len(groups) else None
-            used = 0 if packed is None else len(packed.rows.input_ids)
-            pad = rows - used
-            parts = ([], [], [], []) if packed is None else (
-                [packed.rows.input_ids], [packed.rows.labels], [packed.rows.position_ids], [packed.advantages])
-            inputs = np.concatenate([*parts[0], np.full((pad, seq), self.pad_id, np.int64)])
-            labels = np.concatenate([*parts[1], np.full((pad, seq), IGNORE_INDEX, np.int64)])
-            positions = np.concatenate([*parts[2], np.tile(np.arange(seq, dtype=np.int64), (pad, 1))])
-            advantages = np.concatenate([*parts[3], np.zeros((pad, seq), np.float32)])
-            # Row ids key dropout masks (app/model/dropout.py): by (step, the group's slot in the
-            # step, row), so a group's masks do not depend on the rank that holds it. Padding
-            # groups take slots past the step's prompts.
-            slot = slots[n] if n < len(slots) else self.rl.prompts_per_step + self.rank * per_rank + n
+        for packed, slot in zip(groups, slots):
+            rows, width = packed.rows.input_ids.shape
+            chunk = max(tokens // max(width, 1), 1)
             row_ids = (step * 1_000_003 + slot * 1_009 + np.arange(rows)).astype(np.int64)
-            out += [(row_ids[i:i + chunk], inputs[i:i + chunk], labels[i:i + chunk], positions[i:i + chunk],
-                     advantages[i:i + chunk]) for i in range(0, rows, chunk)]
+            out += [(row_ids[i:i + chunk], packed.rows.input_ids[i:i + chunk], packed.rows.labels[i:i + chunk],
+                     packed.rows.position_ids[i:i + chunk], packed.advantages[i:i + chunk])
+                    for i in range(0, rows, chunk)]
         return out
+
+    def padding(self, n: int, step: int) -> list:
+        """`n` one-row label-free micro-batches (their gradient is exactly 0), with row ids past the
+        step's groups' own."""
+        first = step * 1_000_003 + (self.rl.prompts_per_step + self.rank) * 1_009
+        return [(np.array([first + i], np.int64), np.full((1, WIDTH_STEP), self.pad_id, np.int64),
+                 np.full((1, WIDTH_STEP), IGNORE_INDEX, np.int64), np.arange(WIDTH_STEP, dtype=np.int64)[None],
+                 np.zeros((1, WIDTH_STEP), np.float32)) for i in range(n)]
+
+
+def pack_group(prompts: list[list[int]], completions: list[list[int]], advantages: np.ndarray, seq_len: int,
+               pad_id: int):
+    """One group's rollouts packed whole (app.rl.rollouts.pack_rollouts) at the width, a multiple of
+    WIDTH_STEP up to `seq_len`, that takes the fewest positions: rows of similar completions go one
+    to a row at about their length rather than several to a row of `seq_len` with its end padded. A
+    function of the group alone, so the same at any world size."""
+    lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
+    if not lengths:
+        return pack_rollouts([], [], advantages, seq_len, pad_id)
+    narrowest = min(-(-max(lengths) // WIDTH_STEP) * WIDTH_STEP, seq_len)
+    widths = sorted({*range(narrowest, seq_len + 1, WIDTH_STEP), seq_len})
+    width = min(widths, key=lambda w: (rows_needed(lengths, w) * w, w))
+    return pack_rollouts(prompts, completions, advantages, width, pad_id)
+
+
+def rows_needed(lengths: list[int], width: int) -> int:
+    """Rows the packer fills with these documents, in order, each kept whole in one row."""
+    rows, left = 0, 0
+    for n in lengths:
+        if n > left:
+            rows, left = rows + 1, width
+        left -= n
+    return rows
 
 
 def summarize_rollouts(sums: dict, maxima: dict, reward_names: list[str], group_size: int) -> dict:
