@@ -101,13 +101,15 @@ def cmd_prepare(args) -> int:
 
         manifest = prepare_prompts(cfg)
         train, val = manifest["splits"]["train"], manifest["splits"].get("validation", {})
-        print(f"prepared {cfg.data.uri}: {train['rows']} train prompts / {train['tokens']:,} tokens, "
-              f"{val.get('rows', 0)} validation prompts, {manifest['records']['skipped']} records skipped")
+        print(f"{'already prepared' if manifest.get('unchanged') else 'prepared'} {cfg.data.uri}: "
+              f"{train['rows']} train prompts / {train['tokens']:,} tokens, {val.get('rows', 0)} validation prompts, "
+              f"{manifest['records']['skipped']} records skipped" + ("; nothing to do" if manifest.get("unchanged") else ""))
         return 0
     manifest = prepare_dataset(cfg)
     train, val = manifest["splits"]["train"], manifest["splits"].get("validation", {})
-    print(f"prepared {cfg.data.uri}: {train['rows']} train rows / {train['tokens']:,} tokens, "
-          f"{val.get('rows', 0)} validation rows, {manifest['records']['skipped']} records skipped")
+    print(f"{'already prepared' if manifest.get('unchanged') else 'prepared'} {cfg.data.uri}: "
+          f"{train['rows']} train rows / {train['tokens']:,} tokens, {val.get('rows', 0)} validation rows, "
+          f"{manifest['records']['skipped']} records skipped" + ("; nothing to do" if manifest.get("unchanged") else ""))
     return 0
 
 

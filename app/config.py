@@ -266,7 +266,9 @@ class PrepareConfig(_Strict):
     num_tokenizer_actors: int = Field(2, gt=0)
     """Ray engine: tokenizer actors."""
     overwrite: bool = False
-    """Replace a dataset already committed at `data.uri` (refused while a run reads it)."""
+    """Replace a dataset already committed at `data.uri` (refused while a run reads it). Without it, a
+    prepare of the same recipe (input files, the settings that shape rows, chat template, tokenizer)
+    has nothing to do and exits 0, and one of another recipe is refused naming what differs."""
 
     @model_validator(mode="before")
     @classmethod

@@ -118,9 +118,16 @@ def test_the_readmes_steps_through_the_console_script(user_stack):
     prepared = eft("prepare", cfg_path, *sets, env=user)
     assert prepared.returncode == 0, prepared.stderr[-2000:]
     assert f"prepared s3://eft/data/{README_RUN}:" in prepared.stdout and "train rows" in prepared.stdout
+    # The same prepare again (a pipeline re-run): nothing to do, exit 0; another setting is refused.
     again = eft("prepare", cfg_path, *sets, env=user)
-    assert again.returncode == 1
-    assert again.stderr.strip().splitlines()[-1].startswith("eft: error: dataset already prepared at")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert again.stdout.startswith(f"already prepared s3://eft/data/{README_RUN}:")
+    assert again.stdout.rstrip().endswith("; nothing to do")
+    other = eft("prepare", cfg_path, *sets, "--set", "prepare.rows_per_shard=7", env=user)
+    assert other.returncode == 1
+    assert other.stderr.strip().splitlines()[-1].startswith(
+        f"eft: error: dataset already prepared at s3://eft/data/{README_RUN} from another recipe: "
+        f"prepare.rows_per_shard "), other.stderr[-2000:]
 
     # One driver per run: a second `eft train` of the same run is refused in one line while the
     # first holds its lease, before Ray starts; one with --wait, submitted with the README's

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 from collections import Counter
+from unittest.mock import ANY
 
 import numpy as np
 import pyarrow as pa
@@ -283,10 +284,59 @@ def test_the_local_engine_counts_the_containers_cpu_quota(tmp_path):
     assert cgroup_cpu_limit(v1) == 4.0
 
 
-def test_rerun_without_overwrite_fails(prepared):
-    cfg, _, _ = prepared
-    with pytest.raises(PrepareError, match=r"already prepared at s3://eft/data/text \(set prepare.overwrite=true\)"):
-        prepare_dataset(cfg)
+def test_a_second_prepare_of_the_same_recipe_does_nothing_and_another_is_refused_naming_the_difference(
+        store, prepared, text_docs):
+    """Same input, settings and tokenizer: nothing to do, nothing written (not even the lease), on
+    either engine (how a dataset is made is not what it holds). A changed setting, an input file
+    added or changed: refused in one line naming it, before any input is read, nothing written."""
+    cfg, first, _ = prepared
+    listing = store.list_versions(cfg.data.uri)
+    again = prepare_dataset(cfg, store)
+    assert again.pop("unchanged") is True and again == first
+    local = make_config(cfg.data.uri, "s3://eft/raw/text/", engine="local", local_threads=1, tokenize_batch_size=3)
+    assert prepare_dataset(local, store)["unchanged"] is True
+    assert store.list_versions(cfg.data.uri) == listing
+
+    def refused(config, change: str) -> None:
+        with pytest.raises(PrepareError) as err:
+            prepare_dataset(config, store)
+        assert str(err.value) == (f"dataset already prepared at {cfg.data.uri} from another recipe: {change} "
+                                  f"(set prepare.overwrite=true to replace it)")
+        assert store.list_versions(cfg.data.uri) == listing
+
+    refused(make_config(cfg.data.uri, "s3://eft/raw/text/", engine="ray", rows_per_shard=16),
+            "prepare.rows_per_shard 32 → 16")
+    refused(make_config(cfg.data.uri, "s3://eft/raw/text/", engine="ray", overlong="drop"),
+            "prepare.overlong None → 'drop'")
+    original = store.read_bytes("s3://eft/raw/text/part-0.jsonl")
+    store.write_text("s3://eft/raw/text/part-2.jsonl", json.dumps({"text": "one more"}) + "\n")
+    try:
+        refused(cfg, "input s3://eft/raw/text/ changed: part-2.jsonl (added)")
+    finally:
+        store.delete_prefix("s3://eft/raw/text/part-2.jsonl")
+    store.write_bytes("s3://eft/raw/text/part-0.jsonl", original + b'{"text": "changed"}\n')
+    try:
+        refused(cfg, "input s3://eft/raw/text/ changed: part-0.jsonl (changed)")
+    finally:
+        store.write_bytes("s3://eft/raw/text/part-0.jsonl", original)
+    # The same bytes written again are the same input (S3's ETag is their MD5).
+    assert prepare_dataset(cfg, store)["unchanged"] is True
+
+
+def test_a_dataset_without_a_recorded_recipe_is_refused_unless_overwritten(store, tokenizer, text_docs):
+    data_uri = "s3://eft/data/no-recipe"
+    store.write_text("s3://eft/raw/no-recipe.jsonl", "".join(json.dumps({"text": d}) + "\n"
+                                                            for d in text_docs["part-0.jsonl"]))
+    cfg = make_config(data_uri, "s3://eft/raw/no-recipe.jsonl", engine="local")
+    manifest = prepare_dataset(cfg, store)
+    assert manifest["recipe"]["inputs"] == {"s3://eft/raw/no-recipe.jsonl": {"no-recipe.jsonl": ANY}}
+    store.write_json(f"{data_uri}/manifest.json", {k: v for k, v in manifest.items() if k != "recipe"})
+    with pytest.raises(PrepareError, match=rf"^dataset already prepared at {data_uri} by an earlier eft, which "
+                                           r"recorded no recipe to compare with \(set prepare.overwrite=true\)$"):
+        prepare_dataset(cfg, store)
+    overwrite = cfg.model_copy(update={"prepare": cfg.prepare.model_copy(update={"overwrite": True})})
+    assert "unchanged" not in prepare_dataset(overwrite, store)
+    assert prepare_dataset(cfg, store)["unchanged"] is True
 
 
 def test_overwrite_is_deterministic_and_removes_old_shards(store, prepared):

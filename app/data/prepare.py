@@ -20,6 +20,7 @@ import datetime as dt
 import hashlib
 import json
 import logging
+import posixpath
 import time
 import uuid
 from collections import Counter
@@ -42,14 +43,14 @@ from app.data.engines import (
 )
 from app.data.lease import Lease, check_no_live_readers, hold_prepare_lease
 from app.data.manifest import (
-    FORMAT_VERSION, SHARDS_PREFIX, commit_manifest, delete_unreferenced_shards, manifest_uri, read_committed_manifest,
+    FORMAT_VERSION, SHARDS_PREFIX, commit_manifest, delete_unreferenced_shards, read_committed_manifest,
     referenced_shard_dirs,
 )
 from app.data.packing import Packer, source_key, validation_mask
 from app.data.reference import add_reference, needs_reference
 from app.model.architecture import check_seq_len, load_model_config
 from app.hub import resolve_model
-from app.storage import Store, StorageError, join
+from app.storage import Store, StorageError, boto3_config, is_s3, join
 
 log = logging.getLogger(__name__)
 
@@ -265,15 +266,105 @@ def tokenizer_spec(cfg: JobConfig, store: Store, tokenizer, facts: dict) -> Toke
 
 # -- commit protocol ------------------------------------------------------------------------
 
-def check_not_prepared(cfg: JobConfig, store: Store) -> None:
-    if store.exists(manifest_uri(cfg.data.uri)) and not cfg.prepare.overwrite:
-        raise PrepareError(f"dataset already prepared at {cfg.data.uri} (set prepare.overwrite=true)")
+# Settings that change how a dataset is made, not what it holds (both engines, every block size and
+# thread count give the same shards), and `overwrite` itself: left out of a dataset's recipe.
+HOW_NOT_WHAT = ("overwrite", "engine", "local_max_input_mb", "local_threads", "num_tokenizer_actors",
+                "tokenize_batch_size")
+
+
+def build_recipe(cfg: JobConfig, store: Store, tokenizer) -> dict:
+    """What a prepared dataset is a function of, as its manifest records it (`recipe`): the settings
+    that shape the rows, every file under the input URIs with its version (list_input_versions),
+    the chat template's text and the tokenizer's fingerprint. A second `eft prepare` of the same
+    recipe has nothing to do."""
+    p = cfg.prepare
+    settings = {"data.seq_len": cfg.data.seq_len, **{f"prepare.{k}": v for k, v in p.model_dump(mode="json", exclude=set(HOW_NOT_WHAT)).items()}}
+    template = getattr(tokenizer, "chat_template", None)
+    if p.chat_template:
+        template = store.read_text(p.chat_template)
+    sources = [p.input_uri] if p.input_uri is not None else [source.uri for source in p.inputs]
+    local_dir = store.cache_locally(cfg.tokenizer_uri)
+    return {"settings": settings,
+            "inputs": {uri: list_input_versions(store, uri) for uri in sources},
+            "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest() if template else None,
+            "tokenizer": fingerprint_tokenizer(tokenizer, local_dir)}
+
+
+def list_input_versions(store: Store, uri: str) -> dict[str, str]:
+    """{file under `uri` (or the file itself): its version}: on S3 the object's ETag (its content's
+    MD5, from the listing: pyarrow's file infos carry none, and S3's modification times are whole
+    seconds), on a filesystem "size:mtime_ns"."""
+    if is_s3(uri):
+        bucket, _, key = uri[len("s3://"):].partition("/")
+        prefix = key.rstrip("/") + "/"
+        client = store.boto3_client("patient", boto3_config())
+        found = {}
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=key):
+            for item in page.get("Contents", []):
+                if item["Key"].endswith("/"):  # a directory marker (pyarrow leaves them), not a file
+                    continue
+                if item["Key"] == key:
+                    found[posixpath.basename(key)] = item["ETag"]
+                elif item["Key"].startswith(prefix):
+                    found[item["Key"][len(prefix):]] = item["ETag"]
+        return found
+    fs, path = store.resolve(uri)
+    info = fs.get_file_info(path)
+    if info.type == pafs.FileType.File:
+        return {posixpath.basename(path): f"{info.size}:{info.mtime_ns}"}
+    prefix = path.rstrip("/") + "/"
+    return {name[len(prefix):]: f"{size}:{mtime_ns}" for name, size, mtime_ns in store.list_versions(uri)}
+
+
+def describe_recipe_change(old: dict, new: dict) -> str:
+    """What differs between a committed dataset's recipe and this prepare's, in a few words."""
+    changed = [f"{key} {old['settings'].get(key)!r} → {value!r}" for key, value in new["settings"].items()
+               if old["settings"].get(key) != value]
+    changed += [f"{key} set before" for key in old["settings"] if key not in new["settings"]]
+    for uri, files in new["inputs"].items():
+        before = old["inputs"].get(uri)
+        if before is None:
+            changed.append(f"input {uri} is new")
+            continue
+        names = sorted({*before, *files})
+        differ = [n for n in names if before.get(n) != files.get(n)]
+        if differ:
+            what = ", ".join(f"{n} ({'added' if n not in before else 'removed' if n not in files else 'changed'})"
+                             for n in differ[:3])
+            changed.append(f"input {uri} changed: {what}" + (f" and {len(differ) - 3} more" if len(differ) > 3 else ""))
+    changed += [f"input {uri} no longer used" for uri in old["inputs"] if uri not in new["inputs"]]
+    if old.get("chat_template_sha256") != new["chat_template_sha256"]:
+        changed.append("the chat template changed")
+    if old.get("tokenizer") != new["tokenizer"]:
+        changed.append(f"the tokenizer at {new['settings'].get('prepare.tokenizer_uri') or 'model.uri'} changed")
+    return "; ".join(changed)
+
+
+def check_prepared(cfg: JobConfig, store: Store, recipe: dict) -> Optional[dict]:
+    """The dataset committed at data.uri when it was prepared from this very recipe (nothing to
+    do), None when there is none or prepare.overwrite is set; a dataset of another recipe is
+    refused in one line naming what differs."""
+    if cfg.prepare.overwrite:
+        return None
+    committed = read_committed_manifest(store, cfg.data.uri)
+    if committed is None:
+        return None
+    old = committed.get("recipe")
+    if not isinstance(old, dict):
+        raise PrepareError(f"dataset already prepared at {cfg.data.uri} by an earlier eft, which recorded no recipe "
+                           f"to compare with (set prepare.overwrite=true)")
+    change = describe_recipe_change(old, recipe)
+    if change:
+        raise PrepareError(f"dataset already prepared at {cfg.data.uri} from another recipe: {change} "
+                           f"(set prepare.overwrite=true to replace it)")
+    return committed
 
 
 # -- the job --------------------------------------------------------------------------------
 
 def build_manifest(cfg: JobConfig, tokenizer: dict, inputs: Optional[InputFiles], splits: dict[str, dict],
-                   consumer: DocumentConsumer, bad: BadRecords, engine: str, wall_s: float, mixture=None) -> dict:
+                   consumer: DocumentConsumer, bad: BadRecords, engine: str, wall_s: float, mixture=None,
+                   recipe: Optional[dict] = None) -> dict:
     tokens = sum(s["tokens"] for s in splits.values())
     if mixture is not None:
         source = mixture.manifest_source()
@@ -298,6 +389,8 @@ def build_manifest(cfg: JobConfig, tokenizer: dict, inputs: Optional[InputFiles]
                     "overlong": dict(consumer.overlong)},
         "stats": {"engine": engine, "wall_s": round(wall_s, 3),
                   "tokens_per_s": round(tokens / wall_s, 1) if wall_s > 0 else 0.0},
+        # What the dataset is a function of: a second prepare of the same recipe has nothing to do.
+        "recipe": recipe,
     }
 
 
@@ -347,21 +440,35 @@ def prepare_dataset(cfg: JobConfig, store: Optional[Store] = None) -> dict:
     cfg, _ = resolve_model(cfg, store)  # a hub id: its pinned mirror (tokenizer, reference model)
     preflight(cfg, store)
     started = time.monotonic()
+    hf_tokenizer = load_tokenizer(store, cfg.tokenizer_uri)
+    recipe = build_recipe(cfg, store, hf_tokenizer)
+    # A run of the same recipe again (a pipeline re-run, a notebook cell run twice) has nothing to
+    # do and writes nothing, not even the lease; another recipe is refused before any input is read.
+    if check_prepared(cfg, store, recipe) is not None and not needs_reference(cfg):
+        return report_unchanged(cfg, store)
     # One writer per dataset prefix: without the lease, two prepares would each delete the
     # other's in-progress shards as unreferenced.
     with hold_prepare_lease(store, cfg.data.uri) as lease:
-        if needs_reference(cfg) and not cfg.prepare.overwrite and store.exists(manifest_uri(cfg.data.uri)):
-            # Prepared already: DPO's reference pass is what is left (or was cut off), and it resumes.
+        if check_prepared(cfg, store, recipe) is not None:  # again: another prepare may have committed since
+            if not needs_reference(cfg):
+                return report_unchanged(cfg, store)
+            # Prepared already: DPO's reference pass is what is left (or was cut off), and it resumes,
+            # or is reused when committed for the same model.
             log.info("prepare: %s is prepared; computing its reference log-probs", cfg.data.uri)
             return add_reference(cfg, store, lease)
-        check_not_prepared(cfg, store)
         if read_committed_manifest(store, cfg.data.uri) is not None:
             check_no_live_readers(store, cfg.data.uri)
-        hf_tokenizer = load_tokenizer(store, cfg.tokenizer_uri)
         if cfg.prepare.inputs is not None:
-            return prepare_mixture(cfg, store, hf_tokenizer, started, lease)
-        manifest = prepare_single(cfg, store, hf_tokenizer, started, lease)
+            return prepare_mixture(cfg, store, hf_tokenizer, started, lease, recipe)
+        manifest = prepare_single(cfg, store, hf_tokenizer, started, lease, recipe)
         return add_reference(cfg, store, lease) if needs_reference(cfg) else manifest
+
+
+def report_unchanged(cfg: JobConfig, store: Store) -> dict:
+    """The committed manifest, marked `unchanged` (in the returned copy only) for the CLI's line."""
+    log.info("prepare: %s is already prepared from the same input, settings and tokenizer; nothing to do",
+             cfg.data.uri)
+    return {**read_committed_manifest(store, cfg.data.uri), "unchanged": True}
 
 
 def preflight(cfg: JobConfig, store: Store) -> None:
@@ -388,7 +495,8 @@ def preflight(cfg: JobConfig, store: Store) -> None:
                  cfg.model.uri)
 
 
-def prepare_single(cfg: JobConfig, store: Store, hf_tokenizer, started: float, lease: Lease) -> dict:
+def prepare_single(cfg: JobConfig, store: Store, hf_tokenizer, started: float, lease: Lease,
+                   recipe: dict) -> dict:
     """prepare_dataset for one `prepare.input_uri`, under the dataset's lease."""
     chat = load_chat_format(cfg, store, hf_tokenizer)
     delete_unreferenced_shards(store, cfg.data.uri, referenced_shard_dirs(read_committed_manifest(store, cfg.data.uri)))
@@ -412,7 +520,8 @@ def prepare_single(cfg: JobConfig, store: Store, hf_tokenizer, started: float, l
     except BaseException:
         store.delete_prefix(join(cfg.data.uri, shard_dir))
         raise
-    manifest = build_manifest(cfg, tokenizer, inputs, splits, consumer, bad, engine, time.monotonic() - started)
+    manifest = build_manifest(cfg, tokenizer, inputs, splits, consumer, bad, engine, time.monotonic() - started,
+                              recipe=recipe)
     commit_manifest(store, cfg.data.uri, manifest)
     log.info("prepare: committed %s: %d train / %d validation rows, %d tokens, %d records skipped",
              cfg.data.uri, splits["train"]["rows"], splits["validation"]["rows"],
@@ -420,7 +529,8 @@ def prepare_single(cfg: JobConfig, store: Store, hf_tokenizer, started: float, l
     return manifest
 
 
-def prepare_mixture(cfg: JobConfig, store: Store, hf_tokenizer, started: float, lease: Lease) -> dict:
+def prepare_mixture(cfg: JobConfig, store: Store, hf_tokenizer, started: float, lease: Lease,
+                    recipe: dict) -> dict:
     """prepare_dataset for `prepare.inputs` (app/data/mixing.py): planned, then packed as one input,
     under the dataset's lease."""
     from app.data.mixing import Mixture
@@ -445,7 +555,7 @@ def prepare_mixture(cfg: JobConfig, store: Store, hf_tokenizer, started: float, 
         store.delete_prefix(join(cfg.data.uri, shard_dir))
         raise
     manifest = build_manifest(cfg, tokenizer, None, splits, consumer, bad, "local", time.monotonic() - started,
-                              mixture)
+                              mixture, recipe=recipe)
     commit_manifest(store, cfg.data.uri, manifest)
     log.info("prepare: committed %s: %d train / %d validation rows, %d tokens, %d records skipped",
              cfg.data.uri, splits["train"]["rows"], splits["validation"]["rows"],

@@ -39,7 +39,9 @@ from app.data.lease import check_no_live_readers, hold_prepare_lease
 from app.data.manifest import (FORMAT_VERSION, SHARDS_PREFIX, DatasetError, commit_manifest, delete_unreferenced_shards,
                                read_committed_manifest, referenced_shard_dirs, shard_uris)
 from app.data.packing import source_key, validation_mask
-from app.data.prepare import BadRecords, check_not_prepared, describe_tokenizer, preflight
+from app.data.prepare import (
+    BadRecords, build_recipe, check_prepared, describe_tokenizer, preflight, report_unchanged,
+)
 from app.eval.render import EvalRenderError, PromptRenderer
 from app.eval.sets import MULTIPLE_CHOICE, EvalSetError, build_record, iter_raw_records, list_set_files
 from app.hub import resolve_model
@@ -80,11 +82,15 @@ def prepare_prompts(cfg: JobConfig, store: Store | None = None) -> dict:
     cfg, _ = resolve_model(cfg, store)
     preflight(cfg, store)
     started = time.monotonic()
+    tokenizer = load_tokenizer(store, cfg.tokenizer_uri)
+    recipe = build_recipe(cfg, store, tokenizer)
+    if check_prepared(cfg, store, recipe) is not None:  # the same recipe again: nothing to do or write
+        return report_unchanged(cfg, store)
     with hold_prepare_lease(store, cfg.data.uri) as lease:
-        check_not_prepared(cfg, store)
+        if check_prepared(cfg, store, recipe) is not None:
+            return report_unchanged(cfg, store)
         if read_committed_manifest(store, cfg.data.uri) is not None:
             check_no_live_readers(store, cfg.data.uri)
-        tokenizer = load_tokenizer(store, cfg.tokenizer_uri)
         template = read_chat_template(cfg, store, tokenizer)
         if template:
             check_chat_template(template, f"prepare.chat_template {cfg.prepare.chat_template}"
@@ -116,6 +122,7 @@ def prepare_prompts(cfg: JobConfig, store: Store | None = None) -> dict:
             "records": {"read": read, "used": sum(len(rows) for rows in splits.values()), "skipped": bad.count,
                         "skipped_by_reason": dict(bad.by_reason), "skipped_examples": bad.examples},
             "stats": {"engine": "local", "wall_s": round(time.monotonic() - started, 3)},
+            "recipe": recipe,
         }
         commit_manifest(store, cfg.data.uri, manifest)
     log.info("prepare: committed %s: %d train / %d validation prompts (%s), %d records skipped", cfg.data.uri,
