@@ -99,18 +99,18 @@ def cmd_prepare(args) -> int:
     if cfg.prepare.format == "prompts":
         from app.rl.prompts import prepare_prompts
 
-        manifest = prepare_prompts(cfg)
-        train, val = manifest["splits"]["train"], manifest["splits"].get("validation", {})
-        print(f"{'already prepared' if manifest.get('unchanged') else 'prepared'} {cfg.data.uri}: "
-              f"{train['rows']} train prompts / {train['tokens']:,} tokens, {val.get('rows', 0)} validation prompts, "
-              f"{manifest['records']['skipped']} records skipped" + ("; nothing to do" if manifest.get("unchanged") else ""))
+        print(describe_prepared(cfg, prepare_prompts(cfg), "prompts"))
         return 0
-    manifest = prepare_dataset(cfg)
-    train, val = manifest["splits"]["train"], manifest["splits"].get("validation", {})
-    print(f"{'already prepared' if manifest.get('unchanged') else 'prepared'} {cfg.data.uri}: "
-          f"{train['rows']} train rows / {train['tokens']:,} tokens, {val.get('rows', 0)} validation rows, "
-          f"{manifest['records']['skipped']} records skipped" + ("; nothing to do" if manifest.get("unchanged") else ""))
+    print(describe_prepared(cfg, prepare_dataset(cfg), "rows"))
     return 0
+
+
+def describe_prepared(cfg, manifest: dict, unit: str) -> str:
+    """`eft prepare`'s closing line; `already prepared …; nothing to do` when the same recipe was."""
+    train, val, unchanged = manifest["splits"]["train"], manifest["splits"].get("validation", {}), manifest.get("unchanged")
+    return (f"{'already prepared' if unchanged else 'prepared'} {cfg.data.uri}: {train['rows']} train {unit} / "
+            f"{train['tokens']:,} tokens, {val.get('rows', 0)} validation {unit}, "
+            f"{manifest['records']['skipped']} records skipped" + ("; nothing to do" if unchanged else ""))
 
 
 def cmd_train(args) -> int:

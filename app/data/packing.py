@@ -133,6 +133,19 @@ def row_positions(starts: np.ndarray) -> np.ndarray:
     return (index - last_start).astype(TOKEN_DTYPE)
 
 
+def place_units(unit_lengths: np.ndarray, seq_len: int, fill: int = 0) -> np.ndarray:
+    """The padding before each unit (of `unit_lengths` tokens, each kept whole in one row of
+    `seq_len`) when appended after `fill` tokens of a row: where a unit would cross into the next
+    row, the current row is padded to its end instead. Sequential (each place depends on the units
+    before it), but only scalars: callers place the tokens in one vectorised scatter."""
+    pads = np.zeros(len(unit_lengths), dtype=np.int64)
+    for i, n in enumerate(np.asarray(unit_lengths).tolist()):
+        if fill and fill + n > seq_len:
+            pads[i], fill = seq_len - fill, 0
+        fill = (fill + n) % seq_len
+    return pads
+
+
 class Packer:
     """Concatenate token streams in order and cut them into `seq_len` rows."""
 
@@ -176,14 +189,7 @@ class Packer:
         unit_lengths = lengths.reshape(-1, docs_per_unit).sum(axis=1)
         if (unit_lengths > self.seq_len).any():
             raise ValueError(f"a unit of {int(unit_lengths.max())} tokens does not fit a row of {self.seq_len}")
-        # Where each unit goes is sequential (it depends on the units before it), but only scalars:
-        # the tokens are placed below in one vectorised scatter.
-        pads = np.zeros(len(unit_lengths), dtype=np.int64)
-        fill = self._pending % self.seq_len
-        for i, n in enumerate(unit_lengths.tolist()):
-            if fill and fill + n > self.seq_len:
-                pads[i], fill = self.seq_len - fill, 0
-            fill = (fill + n) % self.seq_len
+        pads = place_units(unit_lengths, self.seq_len, self._pending % self.seq_len)
         ends = np.cumsum(pads + unit_lengths)
         unit_starts = ends - unit_lengths
         total = int(ends[-1]) if len(ends) else 0

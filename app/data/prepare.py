@@ -47,10 +47,10 @@ from app.data.manifest import (
     referenced_shard_dirs,
 )
 from app.data.packing import Packer, source_key, validation_mask
-from app.data.reference import add_reference, needs_reference
+from app.data.reference import add_reference, list_s3_etags, needs_reference
 from app.model.architecture import check_seq_len, load_model_config
 from app.hub import resolve_model
-from app.storage import Store, StorageError, boto3_config, is_s3, join
+from app.storage import Store, StorageError, is_s3, join
 
 log = logging.getLogger(__name__)
 
@@ -292,22 +292,9 @@ def build_recipe(cfg: JobConfig, store: Store, tokenizer) -> dict:
 
 def list_input_versions(store: Store, uri: str) -> dict[str, str]:
     """{file under `uri` (or the file itself): its version}: on S3 the object's ETag (its content's
-    MD5, from the listing: pyarrow's file infos carry none, and S3's modification times are whole
-    seconds), on a filesystem "size:mtime_ns"."""
+    MD5; S3's modification times are whole seconds), on a filesystem "size:mtime_ns"."""
     if is_s3(uri):
-        bucket, _, key = uri[len("s3://"):].partition("/")
-        prefix = key.rstrip("/") + "/"
-        client = store.boto3_client("patient", boto3_config())
-        found = {}
-        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=key):
-            for item in page.get("Contents", []):
-                if item["Key"].endswith("/"):  # a directory marker (pyarrow leaves them), not a file
-                    continue
-                if item["Key"] == key:
-                    found[posixpath.basename(key)] = item["ETag"]
-                elif item["Key"].startswith(prefix):
-                    found[item["Key"][len(prefix):]] = item["ETag"]
-        return found
+        return list_s3_etags(store, uri)
     fs, path = store.resolve(uri)
     info = fs.get_file_info(path)
     if info.type == pafs.FileType.File:
@@ -444,14 +431,16 @@ def prepare_dataset(cfg: JobConfig, store: Optional[Store] = None) -> dict:
     recipe = build_recipe(cfg, store, hf_tokenizer)
     # A run of the same recipe again (a pipeline re-run, a notebook cell run twice) has nothing to
     # do and writes nothing, not even the lease; another recipe is refused before any input is read.
-    if check_prepared(cfg, store, recipe) is not None and not needs_reference(cfg):
-        return report_unchanged(cfg, store)
+    committed = check_prepared(cfg, store, recipe)
+    if committed is not None and not needs_reference(cfg):
+        return report_unchanged(cfg, committed)
     # One writer per dataset prefix: without the lease, two prepares would each delete the
     # other's in-progress shards as unreferenced.
     with hold_prepare_lease(store, cfg.data.uri) as lease:
-        if check_prepared(cfg, store, recipe) is not None:  # again: another prepare may have committed since
+        committed = check_prepared(cfg, store, recipe)  # again: another prepare may have committed since
+        if committed is not None:
             if not needs_reference(cfg):
-                return report_unchanged(cfg, store)
+                return report_unchanged(cfg, committed)
             # Prepared already: DPO's reference pass is what is left (or was cut off), and it resumes,
             # or is reused when committed for the same model.
             log.info("prepare: %s is prepared; computing its reference log-probs", cfg.data.uri)
@@ -464,11 +453,11 @@ def prepare_dataset(cfg: JobConfig, store: Optional[Store] = None) -> dict:
         return add_reference(cfg, store, lease) if needs_reference(cfg) else manifest
 
 
-def report_unchanged(cfg: JobConfig, store: Store) -> dict:
+def report_unchanged(cfg: JobConfig, committed: dict) -> dict:
     """The committed manifest, marked `unchanged` (in the returned copy only) for the CLI's line."""
     log.info("prepare: %s is already prepared from the same input, settings and tokenizer; nothing to do",
              cfg.data.uri)
-    return {**read_committed_manifest(store, cfg.data.uri), "unchanged": True}
+    return {**committed, "unchanged": True}
 
 
 def preflight(cfg: JobConfig, store: Store) -> None:

@@ -73,18 +73,26 @@ def list_weight_versions(store: Store, model_uri: str) -> dict[str, str]:
     return versions
 
 
-def list_s3_etags(store: Store, uri: str, suffixes: tuple[str, ...]) -> dict[str, str]:
-    """{path under `uri`: ETag} of the objects whose names end in `suffixes`. app.storage lists
-    through pyarrow, whose file infos carry no ETag: this lists through boto3 with the store's
+def list_s3_etags(store: Store, uri: str, suffixes: tuple[str, ...] = ("",)) -> dict[str, str]:
+    """{path under `uri`: ETag} of the objects whose names end in `suffixes` (default: all), or
+    {its name: ETag} when `uri` is one object; directory markers are not objects here. app.storage
+    lists through pyarrow, whose file infos carry no ETag: this lists through boto3 with the store's
     endpoint, region and retry settings, on the store's own boto3 session (never boto3's shared
     default one, which is not thread-safe: app.storage.Store.boto3_client)."""
     bucket, _, key = uri[len("s3://"):].partition("/")
     prefix = key.strip("/") + "/" if key.strip("/") else ""
     client = store.boto3_client("patient", boto3_config())
     found = {}
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=key):
         for item in page.get("Contents", []):
-            name = item["Key"][len(prefix):]
+            if item["Key"].endswith("/"):  # a directory marker (pyarrow leaves them)
+                continue
+            if item["Key"] == key:
+                name = key.rsplit("/", 1)[-1]
+            elif item["Key"].startswith(prefix):
+                name = item["Key"][len(prefix):]
+            else:  # a sibling that shares the prefix: s3://b/data-2 beside s3://b/data
+                continue
             if name.endswith(suffixes):
                 found[name] = item["ETag"]
     return found

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from app.batch import IGNORE_INDEX
 from app.config import JobConfig
+from app.data.packing import place_units
 from app.model.loss import computing_logits
 from app.rl.loss import group_advantages
 from app.rl.prompts import PromptOrder, PromptSet
@@ -210,13 +211,10 @@ def pack_group(prompts: list[list[int]], completions: list[list[int]], advantage
 
 
 def rows_needed(lengths: list[int], width: int) -> int:
-    """Rows the packer fills with these documents, in order, each kept whole in one row."""
-    rows, left = 0, 0
-    for n in lengths:
-        if n > left:
-            rows, left = rows + 1, width
-        left -= n
-    return rows
+    """Rows the packer (app.data.packing.place_units) fills with these documents, in order, each
+    kept whole in one row of `width`."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    return -(-int(place_units(lengths, width).sum() + lengths.sum()) // width)
 
 
 def summarize_rollouts(sums: dict, maxima: dict, reward_names: list[str], group_size: int) -> dict:

@@ -84,11 +84,13 @@ def prepare_prompts(cfg: JobConfig, store: Store | None = None) -> dict:
     started = time.monotonic()
     tokenizer = load_tokenizer(store, cfg.tokenizer_uri)
     recipe = build_recipe(cfg, store, tokenizer)
-    if check_prepared(cfg, store, recipe) is not None:  # the same recipe again: nothing to do or write
-        return report_unchanged(cfg, store)
+    committed = check_prepared(cfg, store, recipe)
+    if committed is not None:  # the same recipe again: nothing to do or write
+        return report_unchanged(cfg, committed)
     with hold_prepare_lease(store, cfg.data.uri) as lease:
-        if check_prepared(cfg, store, recipe) is not None:
-            return report_unchanged(cfg, store)
+        committed = check_prepared(cfg, store, recipe)
+        if committed is not None:
+            return report_unchanged(cfg, committed)
         if read_committed_manifest(store, cfg.data.uri) is not None:
             check_no_live_readers(store, cfg.data.uri)
         template = read_chat_template(cfg, store, tokenizer)
