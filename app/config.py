@@ -249,6 +249,12 @@ class PrepareConfig(_Strict):
     dropped: its two documents share one row)."""
     tokenizer_uri: Optional[str] = None
     """Tokenizer dir; default: `model.uri`."""
+    packing: bool = True
+    """`true`: documents are packed back to back into `data.seq_len` rows (attention still stays inside
+    each document unless `data.cross_document_attention`). `false`: every document (a preference
+    pair: both its documents) starts a row of its own and the rest of the row is padding, as TRL's
+    `packing=False`; training then cuts each micro-batch after its longest row's last trained token
+    (rounded up to a multiple of 8), so the padding costs little compute."""
     rows_per_shard: int = Field(1024, gt=0)
     """Packed rows per Parquet shard."""
     max_bad_records: int = Field(100, ge=0)

@@ -274,6 +274,47 @@ def test_position_ids_mark_every_document_start_for_transformers():
     np.testing.assert_array_equal(segments, np.cumsum(starts, axis=1) - 1)
 
 
+def add_docs(packer: Packer, docs: list) -> None:
+    packer.add(np.concatenate([d[0] for d in docs]), np.concatenate([d[1] for d in docs]), [len(d[0]) for d in docs])
+
+
+def test_without_packing_every_document_and_pair_starts_a_row_of_its_own():
+    """packing off: a document per row, the rest padding (a segment of its own); a long document
+    still runs on over rows; a pair (two documents) shares one row; streaming in chunks gives the
+    rows of one shot."""
+    packer = Packer(4, PAD, packing=False)
+    add_docs(packer, [doc(10), doc(*range(20, 25)), doc(12, 13)])
+    ids, labels, positions = packer.finish()
+    assert ids.tolist() == [[BOS, 10, EOS, PAD], [BOS, 20, 21, 22], [23, 24, EOS, PAD], [BOS, 12, 13, EOS]]
+    assert labels.tolist() == [[BOS, 10, EOS, IGNORE_INDEX], [BOS, 20, 21, 22], [23, 24, EOS, IGNORE_INDEX],
+                               [BOS, 12, 13, EOS]]
+    assert positions.tolist() == [[0, 1, 2, 0], [0, 1, 2, 3], [0, 1, 2, 0], [0, 1, 2, 3]]
+
+    pairs = Packer(8, PAD, packing=False)
+    chosen, rejected = doc(30), doc(31, 32)
+    pairs.add_units(*map(np.concatenate, zip(chosen, rejected, chosen, rejected)), [3, 4, 3, 4], docs_per_unit=2)
+    rows = pairs.finish()
+    assert rows.input_ids.tolist() == [[BOS, 30, EOS, BOS, 31, 32, EOS, PAD]] * 2
+    assert rows.position_ids.tolist() == [[0, 1, 2, 0, 1, 2, 3, 0]] * 2
+
+    rng = np.random.default_rng(2)
+    examples = [doc(*rng.integers(3, 500, size=rng.integers(0, 30)).tolist()) for _ in range(60)]
+    whole = Packer(16, PAD, packing=False)
+    add_docs(whole, examples)
+    expected = whole.finish()
+    streamed, parts = Packer(16, PAD, packing=False), []
+    for start in range(0, len(examples), 7):
+        add_docs(streamed, examples[start:start + 7])
+        parts.append(streamed.pop_rows())
+    parts.append(streamed.finish())
+    for k in range(3):
+        np.testing.assert_array_equal(np.concatenate([p[k] for p in parts]), expected[k])
+    # Every row starts a document (BOS) or continues one that did not fit the row before.
+    continued = np.concatenate([[False], (expected.labels[:-1, -1] != IGNORE_INDEX)])
+    assert ((expected.input_ids[:, 0] == BOS) | continued).all()
+    assert expected.input_ids.shape[0] == sum(-(-len(e[0]) // 16) for e in examples)
+
+
 def test_nothing_in_gives_no_rows():
     ids, labels, _ = pack_examples([], seq_len=8, pad_id=PAD)
     assert ids.shape == labels.shape == (0, 8)

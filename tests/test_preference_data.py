@@ -281,6 +281,26 @@ def test_prepare_packs_every_good_pair_whole_and_counts_the_bad(prepared, tok):
     assert rows["position_ids"][0][len(chosen)] == 0  # the rejected document starts afresh
 
 
+def test_without_packing_each_row_holds_one_pair_and_the_same_pairs(prepared):
+    """`prepare.packing: false`: the same pairs, one to a row, each row's first token the start of
+    its chosen document; the manifest says so, and the recipe tells the two datasets apart."""
+    store, cfg, manifest, _ = prepared
+    unpacked_cfg = make_cfg(training={"objective": "simpo"}, data={"validation_fraction": 0.1,
+                                                                   "uri": "s3://eft/data/pref-unpacked"},
+                            prepare={"packing": False})
+    unpacked = prepare_dataset(unpacked_cfg, store)
+    assert manifest["packing"] is True and unpacked["packing"] is False
+    assert unpacked["recipe"]["settings"]["prepare.packing"] is False
+    assert unpacked["splits"]["train"]["pairs"] == manifest["splits"]["train"]["pairs"]
+    assert unpacked["splits"]["train"]["rows"] == unpacked["splits"]["train"]["pairs"] > manifest["splits"]["train"]["rows"]
+    rows, packed = read_rows(store, unpacked_cfg, unpacked), read_rows(store, cfg, manifest)
+    _, pairs = pair_segments(rows["labels"], rows["position_ids"])
+    assert (pairs == 1).all()
+    # Pair by pair, the same tokens in the same order as the packed rows hold them.
+    assert (rows["input_ids"][rows["labels"] != IGNORE_INDEX].tolist()
+            == packed["input_ids"][packed["labels"] != IGNORE_INDEX].tolist())
+
+
 def test_preview_shows_the_prompt_once_then_both_completions(prepared):
     from rich.console import Console
 

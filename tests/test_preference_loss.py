@@ -239,3 +239,41 @@ def test_orpo_on_a_one_token_answer_the_model_is_sure_of_has_finite_gradients(ch
     assert torch.isfinite(hidden.grad).all() and torch.isfinite(weight.grad).all()
     if not rejected_sure:
         assert float(hidden.grad[0, 2].abs().max()) > 0  # the unsure rejected answer still learns
+
+
+@pytest.mark.parametrize("objective", ["sft", "simpo"])
+def test_unpacked_rows_cut_after_their_last_label_give_the_same_loss(objective):
+    """`prepare.packing: false` rows (a pair, or a document, per row, the rest padding) trimmed per
+    micro-batch (trim_micro_batch) train exactly what the whole rows train: same loss and metrics."""
+    import numpy as np
+
+    from app.config import build_config
+    from app.data.packing import Packer
+    from app.data.stream import trim_micro_batch
+    from app.train.objective import build_objective
+
+    model, pairs = build_llama(), build_pairs(6)
+    docs = [(prompt, completion) for prompt, chosen, rejected in pairs for completion in (chosen, rejected)]
+    packer = Packer(48, 0, packing=False)
+    ids = np.array([t for p, c in docs for t in p + c])
+    labels = np.array([t for p, c in docs for t in [IGNORE] * len(p) + c])
+    lengths = [len(p) + len(c) for p, c in docs]
+    if objective == "sft":
+        packer.add(ids, labels, lengths)
+    else:
+        packer.add_units(ids, labels, lengths, docs_per_unit=2)
+    rows = packer.finish()
+    micro = (np.arange(len(rows.input_ids)), rows.input_ids, rows.labels, rows.position_ids)
+    trimmed = trim_micro_batch(micro)
+    width = trimmed[1].shape[1]
+    assert width % 8 == 0 and width < 48 and (rows.labels[:, width:] == IGNORE).all()
+    assert width - 8 < max(np.flatnonzero(r != IGNORE).max() + 1 for r in rows.labels)
+    cfg = build_config({"name": "trim", "model": {"uri": "s3://b/m"}, "data": {"uri": "s3://b/d", "seq_len": 48},
+                        "training": {"objective": objective, "max_steps": 1}, "storage": {"root_uri": "s3://b/r"}})
+    objective_fn = build_objective(cfg)
+    with torch.no_grad():
+        whole = objective_fn.forward(model, *micro[1:], None, torch.device("cpu"), None)
+        cut = objective_fn.forward(model, *trimmed[1:], None, torch.device("cpu"), None)
+    assert objective_fn.units(rows.labels, rows.position_ids) == objective_fn.units(trimmed[2], trimmed[3])
+    assert_close(cut[0], whole[0], rtol=1e-5, atol=1e-6)
+    assert_close(cut[1], whole[1], rtol=1e-5, atol=1e-6)

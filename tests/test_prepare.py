@@ -323,6 +323,19 @@ def test_a_second_prepare_of_the_same_recipe_does_nothing_and_another_is_refused
     assert prepare_dataset(cfg, store)["unchanged"] is True
 
 
+def test_a_setting_newer_than_the_dataset_counts_as_its_default():
+    """A dataset prepared before a setting existed was shaped as its default shapes rows: the same
+    recipe; set otherwise, the difference is named."""
+    from app.data.prepare import describe_recipe_change
+
+    old = {"settings": {"data.seq_len": 64, "prepare.rows_per_shard": 32}, "inputs": {}, "chat_template_sha256": None,
+           "tokenizer": "t"}
+    new = {**old, "settings": {**old["settings"], "prepare.packing": True}}
+    assert describe_recipe_change(old, new) == ""
+    unpacked = {**old, "settings": {**old["settings"], "prepare.packing": False}}
+    assert describe_recipe_change(old, unpacked) == "prepare.packing True → False"
+
+
 def test_a_dataset_without_a_recorded_recipe_is_refused_unless_overwritten(store, tokenizer, text_docs):
     data_uri = "s3://eft/data/no-recipe"
     store.write_text("s3://eft/raw/no-recipe.jsonl", "".join(json.dumps({"text": d}) + "\n"

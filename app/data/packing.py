@@ -8,7 +8,9 @@ The packer concatenates documents in order and cuts `seq_len` rows; a document l
 a row continues in the next one (never dropped), and the final partial row is padded with
 pad ids labelled IGNORE_INDEX. Units that must stay in one row (a preference pair: its chosen
 document, then its rejected one) are added whole: a unit that does not fit in what is left of
-the current row starts the next one, and the rest of the current row is padding. Everything works on flat int32 arrays plus per-document
+the current row starts the next one, and the rest of the current row is padding. With packing off (`prepare.packing: false`) every document or unit
+starts a row of its own, as TRL's `packing=False` gives each example its own padded sequence;
+training then trims the trailing padding of each micro-batch (`app.data.stream.trim_micro_batch`). Everything works on flat int32 arrays plus per-document
 lengths, so a whole batch of documents is handled with a few vectorised numpy calls.
 
 Each row also gets `position_ids`: 0, 1, 2, ... restarting at every document start, at the
@@ -146,14 +148,25 @@ def place_units(unit_lengths: np.ndarray, seq_len: int, fill: int = 0) -> np.nda
     return pads
 
 
-class Packer:
-    """Concatenate token streams in order and cut them into `seq_len` rows."""
+def place_rows_apart(unit_lengths: np.ndarray, seq_len: int, fill: int = 0) -> np.ndarray:
+    """The padding before each unit when every unit starts a row of its own (packing off): the rest
+    of the row the previous unit ended in. A unit longer than a row (a split document) runs on
+    into the next rows."""
+    lengths = np.asarray(unit_lengths, dtype=np.int64)
+    ends_in_row = np.concatenate([[fill], lengths[:-1] % seq_len]) if len(lengths) else lengths
+    return (seq_len - ends_in_row) % seq_len
 
-    def __init__(self, seq_len: int, pad_id: int):
+
+class Packer:
+    """Concatenate token streams in order and cut them into `seq_len` rows. `packing=False`: every
+    document (or unit) starts a row of its own instead, the rest of the row before it padding."""
+
+    def __init__(self, seq_len: int, pad_id: int, packing: bool = True):
         if seq_len < 1:
             raise ValueError(f"seq_len must be positive, got {seq_len}")
         self.seq_len = seq_len
         self.pad_id = pad_id
+        self.packing = packing
         self._ids: list[np.ndarray] = []
         self._labels: list[np.ndarray] = []
         self._starts: list[np.ndarray] = []  # True where a document begins
@@ -172,7 +185,9 @@ class Packer:
         lengths = np.asarray(lengths, dtype=np.int64)
         if int(lengths.sum()) != len(input_ids):
             raise ValueError(f"document lengths sum to {int(lengths.sum())}, not {len(input_ids)} tokens")
-        if len(input_ids):
+        if not self.packing:
+            self._add_placed(input_ids, labels, lengths, 1, place_rows_apart)
+        elif len(input_ids):
             starts = np.zeros(len(input_ids), dtype=bool)
             starts[(np.cumsum(lengths) - lengths)[lengths > 0]] = True
             self._ids.append(np.asarray(input_ids, dtype=TOKEN_DTYPE))
@@ -189,7 +204,13 @@ class Packer:
         unit_lengths = lengths.reshape(-1, docs_per_unit).sum(axis=1)
         if (unit_lengths > self.seq_len).any():
             raise ValueError(f"a unit of {int(unit_lengths.max())} tokens does not fit a row of {self.seq_len}")
-        pads = place_units(unit_lengths, self.seq_len, self._pending % self.seq_len)
+        self._add_placed(input_ids, labels, lengths, docs_per_unit, place_units if self.packing else place_rows_apart)
+
+    def _add_placed(self, input_ids: np.ndarray, labels: np.ndarray, lengths: np.ndarray, docs_per_unit: int,
+                    place: Callable[[np.ndarray, int, int], np.ndarray]) -> None:
+        """Units of `docs_per_unit` documents, each after the padding `place` gives it."""
+        unit_lengths = lengths.reshape(-1, docs_per_unit).sum(axis=1)
+        pads = place(unit_lengths, self.seq_len, self._pending % self.seq_len)
         ends = np.cumsum(pads + unit_lengths)
         unit_starts = ends - unit_lengths
         total = int(ends[-1]) if len(ends) else 0

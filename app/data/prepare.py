@@ -34,7 +34,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from app.batch import IGNORE_INDEX
-from app.config import JobConfig
+from app.config import JobConfig, PrepareConfig
 from app.data.chat import ChatFormat
 from app.data.engines import (
     OVERLONG_OUTCOMES, PAIR_TOO_LONG, InputFiles, PrepareError, TokenizerSpec, build_list_array, check_chat_template, choose_engine,
@@ -152,8 +152,8 @@ class ShardWriter:
 class SplitBuilder:
     """Packs one split's documents and streams the rows to its ShardWriter."""
 
-    def __init__(self, seq_len: int, pad_id: int, writer: ShardWriter):
-        self.packer = Packer(seq_len, pad_id)
+    def __init__(self, seq_len: int, pad_id: int, writer: ShardWriter, packing: bool = True):
+        self.packer = Packer(seq_len, pad_id, packing)
         self.writer = writer
         self.tokens = 0
         self.label_tokens = 0
@@ -305,8 +305,11 @@ def list_input_versions(store: Store, uri: str) -> dict[str, str]:
 
 def describe_recipe_change(old: dict, new: dict) -> str:
     """What differs between a committed dataset's recipe and this prepare's, in a few words."""
-    changed = [f"{key} {old['settings'].get(key)!r} → {value!r}" for key, value in new["settings"].items()
-               if old["settings"].get(key) != value]
+    # A setting newer than the dataset's eft, left at its default, shapes rows as before it existed.
+    before = {**{f"prepare.{k}": f.get_default(call_default_factory=True) for k, f in PrepareConfig.model_fields.items()},
+              **old["settings"]}
+    changed = [f"{key} {before.get(key)!r} → {value!r}" for key, value in new["settings"].items()
+               if before.get(key) != value]
     changed += [f"{key} set before" for key in old["settings"] if key not in new["settings"]]
     for uri, files in new["inputs"].items():
         before = old["inputs"].get(uri)
@@ -366,6 +369,8 @@ def build_manifest(cfg: JobConfig, tokenizer: dict, inputs: Optional[InputFiles]
         "seq_len": cfg.data.seq_len,
         # Shards carry a position_ids column (document starts); older datasets lack this key.
         "position_ids": True,
+        # false: one document (or pair) per row, the rest padding; training trims it per micro-batch.
+        "packing": cfg.prepare.packing,
         "created_at": dt.datetime.now(dt.timezone.utc).isoformat(),
         "tokenizer": tokenizer,
         "source": source,
@@ -399,7 +404,7 @@ def write_dataset(cfg: JobConfig, store: Store, inputs: Optional[InputFiles], en
     data_fs, data_path = store.resolve(cfg.data.uri)
     splits = {name: SplitBuilder(cfg.data.seq_len, pad_id,
                                  ShardWriter(data_fs, data_path, shard_dir, name, cfg.prepare.rows_per_shard,
-                                             cfg.data.seq_len))
+                                             cfg.data.seq_len), cfg.prepare.packing)
               for name in SPLITS}
     bad = BadRecords(cfg.prepare.max_bad_records, input_label(cfg))
     consumer = DocumentConsumer(cfg, splits, bad)

@@ -211,12 +211,32 @@ def opens_epoch(start_row: int, rows: int, epoch_rows: int) -> bool:
     return start_row % epoch_rows == 0 or start_row // epoch_rows != (start_row + rows - 1) // epoch_rows
 
 
-def iter_step_batches(rows: Iterator[tuple], rows_per_step: int, micro_batch: int, accum: int,
+# Trimmed micro-batches keep a width that is a multiple of this: few distinct shapes for the kernels.
+TRIM_WIDTH_STEP = 8
+
+
+def trim_micro_batch(micro: tuple, step: int = TRIM_WIDTH_STEP) -> tuple:
+    """A micro-batch cut after its longest row's last trained token, rounded up to a multiple of
+    `step` (at most the rows' width). What follows a row's last label changes none of its loss
+    (attention is causal), so this is exact; it is what makes unpacked rows cheap."""
+    row_ids, inputs, labels, positions, *rest = micro
+    labelled = labels != IGNORE
+    width = labels.shape[1]
+    if labelled.any():
+        last = width - int(np.argmax(labelled[:, ::-1], axis=1)[labelled.any(axis=1)].min())
+        width = min(width, -(-last // step) * step)
+    else:
+        width = min(width, step)
+    return (row_ids, inputs[:, :width], labels[:, :width], None if positions is None else positions[:, :width], *rest)
+
+
+def iter_step_batches(rows: Iterator[tuple], rows_per_step: int, micro_batch: int, accum: int, trim: bool = False,
                       ) -> Iterator[list[tuple[np.ndarray, np.ndarray, np.ndarray, Optional[np.ndarray]]]]:
     """One optimizer step's micro-batches at a time: `accum` × (row_ids, input_ids [B, T],
     labels [B, T], position_ids [B, T] or None[, the rows' reference log-probs end to end]). Slots
     past this rank's `rows_per_step` rows are padding: row_id -1 and no labels (so no pairs), so
-    they add nothing to the loss or the gradient."""
+    they add nothing to the loss or the gradient. `trim` (a dataset prepared without packing): each
+    micro-batch ends after its longest row's last trained token (trim_micro_batch)."""
     slots = accum * micro_batch
     while True:
         chunk = [next(rows) for _ in range(rows_per_step)]
@@ -232,7 +252,7 @@ def iter_step_batches(rows: Iterator[tuple], rows_per_step: int, micro_batch: in
         if len(chunk[0]) > 4:
             refs = [c[4] for c in chunk] + [np.zeros(0, np.float32)] * extra
             micro = [m + (np.concatenate(refs[i:i + micro_batch]),) for m, i in zip(micro, range(0, slots, micro_batch))]
-        yield micro
+        yield [trim_micro_batch(m) for m in micro] if trim else micro
 
 
 def prefetch_in_background(iterator: Iterator, depth: int) -> Iterator:

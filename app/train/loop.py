@@ -325,7 +325,8 @@ def setup_data(cfg: JobConfig, store: Store, rank: int, world: int) -> DataParts
     rows = iter_rank_rows(order, train_shards, data_fs, my_slice, start=start_rows, position_ids=isolate,
                           ref_logps=reference, on_epoch_start=openings.append)
     batches = prefetch_in_background(iter_step_batches(rows, my_slice.rows_per_step, t.micro_batch_size,
-                                                       plan.accum), depth=PREFETCH_STEPS)
+                                                       plan.accum, trim=not manifest.get("packing", True)),
+                                     depth=PREFETCH_STEPS)
     return DataParts(manifest=manifest, plan=plan, lineage=build_lineage(cfg, manifest), train_rows=order.num_rows,
                      steps_total=total_steps(cfg, order.num_rows), checkpoint=checkpoint, start_rows=start_rows,
                      batches=batches, isolate=isolate, epoch_openings_s=openings)
