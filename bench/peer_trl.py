@@ -132,8 +132,7 @@ def summarize_run(step_s: list[float], losses: list[float], accuracies: list, pe
     return out
 
 
-def run_trl_side(case: str, threads: int, steps: int, warmup: int, model_dir: str, data_path: str,
-                 pairs_per_step: int) -> dict:
+def run_trl_side(case: str, threads: int, steps: int, model_dir: str, data_path: str, pairs_per_step: int) -> dict:
     """In a process of its own: TRL's trainer on this case; the steps' end times, losses and
     reward accuracies from its callbacks and logs."""
     import torch
@@ -173,11 +172,7 @@ def run_trl_side(case: str, threads: int, steps: int, warmup: int, model_dir: st
             trainer = SFTTrainer(model=model, args=config, train_dataset=Dataset.from_list(records),
                                  processing_class=tok, peft_config=lora, callbacks=[StepClock()])
             data = trainer.train_dataset
-            per_item = {"tokens": sum(map(len, data["input_ids"])) / len(data)}
-            if case == "sft-packed":
-                per_item["documents"] = len(records) / len(data)
-            else:
-                per_item["documents"] = 1.0
+            per_item = {"tokens": sum(map(len, data["input_ids"])) / len(data), "documents": len(records) / len(data)}
         else:
             from trl import DPOConfig, DPOTrainer
 
@@ -205,8 +200,7 @@ def run_trl(case: str, scale: str, args, model_dir: Path, data_path: Path, pairs
             name: str) -> dict:
     out = work / f"{name}.json"
     threads = 1 if scale == "one" else 2
-    cmd = [S.PYTHON, __file__, "--side-trl", case, "--threads", str(threads), "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--model-dir", str(model_dir), "--data", str(data_path),
+    cmd = [S.PYTHON, __file__, "--side-trl", case, "--threads", str(threads), "--steps", str(args.steps), "--model-dir", str(model_dir), "--data", str(data_path),
            "--pairs-per-step", str(pairs_per_step), "--json", str(out)]
     _, took = S.run_logged(cmd, S.child_env(threads=threads), work / f"{name}.log")
     r = json.loads(out.read_text())
@@ -266,8 +260,7 @@ def main() -> None:
     p.add_argument("--json")
     args = p.parse_args()
     if args.side_trl:
-        result = run_trl_side(args.side_trl, args.threads, args.steps, args.warmup, args.model_dir, args.data,
-                              args.pairs_per_step)
+        result = run_trl_side(args.side_trl, args.threads, args.steps, args.model_dir, args.data, args.pairs_per_step)
         Path(args.json).write_text(json.dumps(result))
         return
 

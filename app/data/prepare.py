@@ -306,10 +306,10 @@ def list_input_versions(store: Store, uri: str) -> dict[str, str]:
 def describe_recipe_change(old: dict, new: dict) -> str:
     """What differs between a committed dataset's recipe and this prepare's, in a few words."""
     # A setting newer than the dataset's eft, left at its default, shapes rows as before it existed.
-    before = {**{f"prepare.{k}": f.get_default(call_default_factory=True) for k, f in PrepareConfig.model_fields.items()},
-              **old["settings"]}
-    changed = [f"{key} {before.get(key)!r} → {value!r}" for key, value in new["settings"].items()
-               if before.get(key) != value]
+    settings = {**{f"prepare.{k}": f.get_default(call_default_factory=True) for k, f in PrepareConfig.model_fields.items()},
+                **old["settings"]}
+    changed = [f"{key} {settings.get(key)!r} → {value!r}" for key, value in new["settings"].items()
+               if settings.get(key) != value]
     changed += [f"{key} set before" for key in old["settings"] if key not in new["settings"]]
     for uri, files in new["inputs"].items():
         before = old["inputs"].get(uri)
