@@ -19,6 +19,8 @@ import pytest
 
 STAT = Path("/proc/stat")
 TOP = int(os.environ.get("BOX_CPU_TOP", "15"))  # how many tests the summary lists
+# Every test's figures, for planning cuts beyond the summary's top 15 (build/ is git-ignored).
+RECORD = Path(__file__).resolve().parents[1] / "build" / "slow-tiers-cpu.json"
 MIN_WALL_S = 60.0
 
 
@@ -60,6 +62,13 @@ class BoxCpu:
             write(f"{cpu_s:8.1f} CPU-s {wall_s:7.1f} s  {share}  {nodeid}")
         write(f"all: {busy:.0f} busy CPU-s in {wall:.0f} s on {cores} cores: {busy / wall / cores:.0%} busy; "
               f"{busy / cores:.0f} s is the least these tests could take on {cores} cores")
+        import json
+
+        RECORD.parent.mkdir(exist_ok=True)
+        RECORD.write_text(json.dumps({"busy_s": round(busy, 1), "wall_s": round(wall, 1), "tests": {
+            nodeid: {"cpu_s": round(cpu_s, 1), "wall_s": round(wall_s, 1)}
+            for nodeid, (cpu_s, wall_s) in sorted(self.items.items(), key=lambda kv: -kv[1][0])}}, indent=1))
+        write(f"every test's figures: {RECORD.relative_to(RECORD.parents[1])}")
 
 
 def register(config) -> None:

@@ -110,8 +110,10 @@ def test_the_readmes_steps_through_the_console_script(user_stack):
     """The README's step-by-step commands (`config`, `prepare`, `train`, `export`, `serve`) through
     the console entry point, as the user runs them against the stack."""
     user, cfg_path = user_stack["user"], "jobs/configs/tiny-cpu.yaml"
+    # One worker: what these steps check is the commands, not the sharding (`make demo`'s run on
+    # its own stack, below, trains on the config's two).
     sets = [*README_SETS, "--set", "training.max_steps=2", "--set", "checkpoint.save_every_steps=2",
-            "--set", "training.eval_every_steps=2"]
+            "--set", "training.eval_every_steps=2", "--set", "scaling.min_workers=1", "--set", "scaling.max_workers=1"]
     shown = eft("config", cfg_path, *sets, env=user)
     assert shown.returncode == 0 and "max_steps: 2" in shown.stdout and f"name: {README_RUN}" in shown.stdout
     assert "secret" not in shown.stdout.lower()

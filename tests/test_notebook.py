@@ -77,7 +77,9 @@ def executed(s3, ray_cluster, base_cache):
         f"BASE_CACHE_DIR = {str(base_cache)!r}",
         # One eval actor: the base, the checkpoint and the export are scored by the same code at
         # any pool size (tests/test_train.py checks 1 against 3); each actor is a process to start.
-        'OVERRIDES = ["eval.num_actors=1"]',
+        # One training worker too: the job's 2-worker FSDP2 run is `make demo`'s
+        # (tests/test_local_and_demo.py), and the notebook's cells read the run, not its ranks.
+        'OVERRIDES = ["eval.num_actors=1", "scaling.min_workers=1", "scaling.max_workers=1"]',
     ]), metadata={"tags": ["injected-parameters"]})
     nb.cells.insert(nb.cells.index(tagged(nb, "parameters")) + 1, injected)
     # The kernel gets the S3 endpoint and credentials the `s3` fixture put in os.environ.

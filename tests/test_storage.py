@@ -285,6 +285,7 @@ def test_tensorboard_event_files_go_up_once_each_and_read_back_in_order(s3, tmp_
     for step in range(1, 13):
         sink.log({"step": step, "loss": float(step)})
     assert sink.finish()
+    assert not sink.local.exists()  # all of it uploaded: nothing left in the temp directory
     sink = TensorBoardSink(store, run, resumed_from_step=8, upload_interval_s=0)  # crashed after 12, resumed at 8
     for step in range(9, 15):
         sink.log({"step": step, "loss": 100.0 + step})

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shutil
 import socket
 import tempfile
 import threading
@@ -164,6 +165,9 @@ class TensorBoardSink:
             log.warning("tensorboard: %d event files not uploaded to %s%s; they stay in %s", left, self.uri,
                         f" after {self.finish_timeout_s:.0f} s" if not drained else "", self.local)
             return False
+        # Everything is up: the local directory goes too, or every worker start on a long-lived
+        # node leaves one behind in its temp directory.
+        shutil.rmtree(self.local, ignore_errors=True)
         return True
 
 
