@@ -372,6 +372,42 @@ def test_a_token_over_plain_http_beyond_loopback_is_warned_of_once(caplog):
     assert "plain HTTP to 0.0.0.0" in record.getMessage() and TOKEN not in caplog.text
 
 
+# A handle whose stop() says so instead of deleting a Serve application: what `eft serve` runs
+# after "# serving until Ctrl-C", without Ray.
+WAIT_FOR_A_SIGNAL = """
+import sys
+from app.serve.launch import ServeHandle
+
+class Handle(ServeHandle):
+    def stop(self):
+        print("stopped", flush=True)
+
+print("waiting", flush=True)
+Handle(url="http://127.0.0.1:1/v1", model="m", app_name="eft", engine="transformers", started_ray=False).wait()
+"""
+
+
+@pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM"])
+def test_serve_stops_on_ctrl_c_or_sigterm_even_when_started_with_sigint_ignored(signum):
+    """A non-interactive shell starts a background job (`eft serve … &`, a CI runner's steps)
+    with SIGINT ignored, and Python keeps an ignored SIGINT ignored: `eft serve` sets its own."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    proc = subprocess.Popen([sys.executable, "-c", WAIT_FOR_A_SIGNAL], stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parents[1],
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        assert proc.stdout.readline().strip() == "waiting"
+        proc.send_signal(getattr(signal, signum))
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and out.strip() == "stopped", (proc.returncode, out)
+
+
 def test_bad_inputs_fail_in_one_line_before_serve_starts(s3, exported, capsys, tmp_path):
     cfg, summary = exported
     rc, err = run_cli(capsys, str(tmp_path / "missing.yaml"))

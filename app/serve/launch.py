@@ -74,15 +74,18 @@ class ServeHandle:
                 ray.shutdown()
 
     def wait(self) -> None:
-        """Block until Ctrl-C or SIGTERM, then stop."""
-        previous = signal.signal(signal.SIGTERM, raise_interrupt)
+        """Block until Ctrl-C (SIGINT) or SIGTERM, then stop. Both are set here, not inherited: a
+        process started in the background by a non-interactive shell (`eft serve … &` in a script,
+        or under a CI runner) inherits SIGINT ignored, and would otherwise never stop on it."""
+        previous = {sig: signal.signal(sig, raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             while True:
                 time.sleep(3600)
         except KeyboardInterrupt:
             log.info("stopping %s", self.app_name)
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
             self.stop()
 
 
