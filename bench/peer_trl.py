@@ -200,8 +200,9 @@ def run_trl(case: str, scale: str, args, model_dir: Path, data_path: Path, pairs
             name: str) -> dict:
     out = work / f"{name}.json"
     threads = 1 if scale == "one" else 2
-    cmd = [S.PYTHON, __file__, "--side-trl", case, "--threads", str(threads), "--steps", str(args.steps), "--model-dir", str(model_dir), "--data", str(data_path),
-           "--pairs-per-step", str(pairs_per_step), "--json", str(out)]
+    cmd = [S.PYTHON, __file__, "--side-trl", case, "--threads", str(threads), "--steps", str(args.steps),
+           "--model-dir", str(model_dir), "--data", str(data_path), "--pairs-per-step", str(pairs_per_step),
+           "--json", str(out)]
     _, took = S.run_logged(cmd, S.child_env(threads=threads), work / f"{name}.log")
     r = json.loads(out.read_text())
     return {**summarize_run(r["step_s"], r["losses"], r["accuracies"], r["per_item"], r["items_per_step"],

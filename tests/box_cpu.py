@@ -11,6 +11,7 @@ never asserted on.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -62,8 +63,6 @@ class BoxCpu:
             write(f"{cpu_s:8.1f} CPU-s {wall_s:7.1f} s  {share}  {nodeid}")
         write(f"all: {busy:.0f} busy CPU-s in {wall:.0f} s on {cores} cores: {busy / wall / cores:.0%} busy; "
               f"{busy / cores:.0f} s is the least these tests could take on {cores} cores")
-        import json
-
         RECORD.parent.mkdir(exist_ok=True)
         RECORD.write_text(json.dumps({"busy_s": round(busy, 1), "wall_s": round(wall, 1), "tests": {
             nodeid: {"cpu_s": round(cpu_s, 1), "wall_s": round(wall_s, 1)}
@@ -89,8 +88,6 @@ def main(argv: list[str]) -> int:
     """`python tests/box_cpu.py start FILE` before the tiers, `... end FILE` after them: the closing
     lines of `make test` give the whole run's busy CPU-seconds, the floor for this box's cores,
     and one line if the run went over the budget. It warns; it never fails the run."""
-    import json
-
     action, path = argv[0], Path(argv[1])
     busy = read_busy_s()
     if busy is None:

@@ -709,7 +709,7 @@ def test_a_paused_driver_then_a_killed_one_hand_the_run_on_and_it_ends_on_one_tr
     # C started from, not from the torn one after it.
     torn = store.read_text(join(cfg.run_uri, "upload-cut-off"))
     started_from = takeovers[-1]["resumed_from_step"]
-    assert torn == f"checkpoint-{started_from + 3:08d}", (torn, summary["interruptions"])
+    assert torn == f"checkpoint-{started_from + cfg.checkpoint.save_every_steps:08d}", (torn, summary["interruptions"])
     assert cut_off["cause"] == "worker_failure" and cut_off["resumed_from_step"] == started_from, cut_off
     lease = read_lease(store, lease_at)
     assert lease["epoch"] == 3 and lease["released"]
