@@ -649,7 +649,8 @@ class CheckpointConfig(_Strict):
     on_preemption: bool = True
     """Ask Ray Train every step whether a node of the run is being pre-empted (a cheap barrier); on a
     notice, train on and save a just-in-time checkpoint as late as the deadline allows, then stop
-    stepping until the node goes."""
+    stepping until the node goes. Under torchrun: on SIGTERM or SIGUSR1 to any rank, save at the
+    next step boundary, then every rank stops and exits 0."""
     preemption_margin_s: float = Field(2.0, ge=0)
     """The least time left before a pre-emption deadline once the just-in-time checkpoint is up
     (at least one step's time is kept as well). Raise it where step times jitter by seconds, such

@@ -61,6 +61,17 @@ def test_ray_data_stream_yields_each_ranks_rows_in_order(ray_cluster, tmp_path, 
     """Through real Ray Data: what rank r reads at step k is exactly its slice of the global batch,
     across an epoch boundary, from any start position (resume), also when W does not divide G
     (ranks take 2 or 3 of 8 rows and pad to the same number of micro-batches)."""
+    check_each_ranks_rows(tmp_path, world, start, reader="ray")
+
+
+@pytest.mark.parametrize("world,start", [(1, 0), (2, 0), (3, 0), (4, 16), (3, 37)])
+def test_the_direct_reader_yields_what_ray_data_yields(tmp_path, world, start):
+    """torchrun's reader (pyarrow in the rank's process, no Ray) meets the same expectations as
+    Ray Data above, case for case: each rank gets the same rows at the same steps."""
+    check_each_ranks_rows(tmp_path, world, start, reader="direct")
+
+
+def check_each_ranks_rows(tmp_path, world: int, start: int, reader: str) -> None:
     g, steps, micro = 8, 8, 2
     uris = _write_shards(tmp_path, ORDER)
     expected = ORDER.row_ids_at(start, start + steps * g).reshape(steps, g)
@@ -71,7 +82,7 @@ def test_ray_data_stream_yields_each_ranks_rows_in_order(ray_cluster, tmp_path, 
         lo, hi = rank_slice.bounds
         openings: list[float] = []
         rows = iter_rank_rows(ORDER, uris, pafs.LocalFileSystem(), rank_slice, start=start,
-                              on_epoch_start=openings.append)
+                              on_epoch_start=openings.append, reader=reader)
         batches = iter_step_batches(rows, rank_slice.rows_per_step, micro, accum)
         for k in range(steps):
             step = next(batches)

@@ -13,7 +13,10 @@ first served, so it cannot give a reproducible trajectory):
   those rows; rows a worker had prefetched but not consumed are simply read again.
 
 Each worker streams its share with Ray Data (`read_parquet` of the shards still ahead, in
-epoch order, and a filter that drops other workers' rows before they leave the read task).
+epoch order, and a filter that drops other workers' rows before they leave the read task). Under
+torchrun there is no Ray cluster to run read tasks on: the same shards are read in the same order
+by pyarrow in the rank's own process (`reader="direct"`), through the same filter and the same
+reorder buffer, so a rank gets exactly the rows it would get from Ray Data at that world size.
 """
 
 from __future__ import annotations
@@ -155,17 +158,47 @@ def read_columns(position_ids: bool, ref_logps: bool = False) -> list[str]:
             + (["ref_logps"] if ref_logps else []))
 
 
+READERS = ("ray", "direct")
+
+
+def read_ray_data(paths: list[str], filesystem, columns: list[str], keep: "_KeepRankRows",
+                  prefetch_batches: int) -> Iterator[dict]:
+    """The shards' rows this rank keeps, as numpy batches, from Ray Data's read tasks."""
+    import ray
+
+    configure_data_context()
+    # Few, light read tasks per worker: every worker runs its own pipeline, and a burst of
+    # task processes costs more than it gains on the CPUs the trainer leaves free.
+    ds = ray.data.read_parquet(paths, filesystem=filesystem, columns=columns, num_cpus=READ_CPUS,
+                               concurrency=READ_CONCURRENCY)
+    ds = ds.map_batches(keep, batch_format="numpy", batch_size=None, num_cpus=READ_CPUS,
+                        compute=ray.data.TaskPoolStrategy(size=READ_CONCURRENCY))
+    yield from ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=prefetch_batches)
+
+
+def read_direct(paths: list[str], filesystem, columns: list[str], keep: "_KeepRankRows",
+                prefetch_batches: int = 0) -> Iterator[dict]:
+    """The same rows without a Ray cluster (torchrun): each shard read by pyarrow in this process,
+    one at a time, through the same filter. The caller's prefetch thread overlaps it with steps."""
+    import pyarrow.parquet as pq
+
+    for path in paths:
+        table = pq.read_table(path, columns=columns, filesystem=filesystem)
+        kept = keep({name: table.column(name).to_numpy(zero_copy_only=False) for name in columns})
+        if len(kept["row_id"]):  # a shard of other ranks' rows only: nothing to hand on
+            yield kept
+
+
 def iter_rank_rows(order: DataOrder, shard_uris: list[str], filesystem, rank_slice: RankSlice,
                    start: int, prefetch_batches: int = 2, position_ids: bool = False, ref_logps: bool = False,
-                   on_epoch_start: Optional[Callable[[float], None]] = None) -> Iterator[tuple]:
+                   on_epoch_start: Optional[Callable[[float], None]] = None, reader: str = "ray") -> Iterator[tuple]:
     """Yield (row_id, input_ids, labels, position_ids or None) for this worker, from global position
     `start` on, forever. `position_ids`: read that column (the shards must have it). `ref_logps`:
     read the precomputed reference log-probs too (one per document of the row), as a fifth item.
     `on_epoch_start`: called with the seconds each epoch's pipeline took from its start to its
-    first row (the cost of an epoch opening, measured even where a step never waited for it)."""
-    import ray
-
-    configure_data_context()
+    first row (the cost of an epoch opening, measured even where a step never waited for it).
+    `reader`: "ray" (Ray Data) or "direct" (pyarrow in this process, for torchrun): the same rows."""
+    read = {"ray": read_ray_data, "direct": read_direct}[reader]
     n = order.num_rows
     epoch = start // n
     while True:
@@ -178,16 +211,10 @@ def iter_rank_rows(order: DataOrder, shard_uris: list[str], filesystem, rank_sli
         ends = np.cumsum(np.asarray(order.shard_rows)[shard_seq])
         first = int(np.searchsorted(ends, offset, side="right"))  # shards wholly consumed are not read
         paths = [shard_uris[s] for s in shard_seq[first:]]
-        # Few, light read tasks per worker: every worker runs its own pipeline, and a burst of
-        # task processes costs more than it gains on the CPUs the trainer leaves free.
-        ds = ray.data.read_parquet(paths, filesystem=filesystem, columns=read_columns(position_ids, ref_logps),
-                                   num_cpus=READ_CPUS, concurrency=READ_CONCURRENCY)
-        ds = ds.map_batches(_KeepRankRows(order, epoch, rank_slice, start), batch_format="numpy",
-                            batch_size=None, num_cpus=READ_CPUS,
-                            compute=ray.data.TaskPoolStrategy(size=READ_CONCURRENCY))
+        keep = _KeepRankRows(order, epoch, rank_slice, start)
         buffered: dict[int, tuple] = {}
         nxt = 0
-        for batch in ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=prefetch_batches):
+        for batch in read(paths, filesystem, read_columns(position_ids, ref_logps), keep, prefetch_batches):
             ids, inputs, labels = batch["row_id"], _stack(batch["input_ids"]), _stack(batch["labels"])
             positions = _stack(batch["position_ids"]) if position_ids else None
             for i, rid in enumerate(ids.tolist()):
@@ -299,20 +326,24 @@ def configure_data_context() -> None:
 
 
 def load_split_rows(shard_uris: list[str], filesystem, limit: Optional[int] = None,
-                    position_ids: bool = False, ref_logps: bool = False) -> dict[str, np.ndarray]:
+                    position_ids: bool = False, ref_logps: bool = False, reader: str = "ray") -> dict[str, np.ndarray]:
     """A small split (validation) read whole, in row_id order (with position_ids and the reference
-    log-probs if asked: those as a list of per-row arrays)."""
-    import ray
-
-    configure_data_context()
+    log-probs if asked: those as a list of per-row arrays). `reader` as for `iter_rank_rows`: the
+    first `limit` rows in shard order either way."""
     columns = read_columns(position_ids, ref_logps)
     if not shard_uris:
         return {"row_id": np.zeros(0, np.int64), **{c: np.zeros((0, 0), np.int32) for c in columns[1:]}}
-    ds = ray.data.read_parquet(shard_uris, filesystem=filesystem, columns=columns,
-                               num_cpus=READ_CPUS, concurrency=READ_CONCURRENCY)
-    if limit is not None:
-        ds = ds.limit(limit)
-    parts = list(ds.iter_batches(batch_size=None, batch_format="numpy"))
+    if reader == "direct":
+        parts = list(_read_whole(shard_uris, filesystem, columns, limit))
+    else:
+        import ray
+
+        configure_data_context()
+        ds = ray.data.read_parquet(shard_uris, filesystem=filesystem, columns=columns,
+                                   num_cpus=READ_CPUS, concurrency=READ_CONCURRENCY)
+        if limit is not None:
+            ds = ds.limit(limit)
+        parts = list(ds.iter_batches(batch_size=None, batch_format="numpy"))
     row_id = np.concatenate([p["row_id"] for p in parts])
     order = np.argsort(row_id, kind="stable")
     out = {"row_id": row_id[order],
@@ -321,3 +352,18 @@ def load_split_rows(shard_uris: list[str], filesystem, limit: Optional[int] = No
         refs = [np.asarray(r, dtype=np.float32) for p in parts for r in p["ref_logps"]]
         out["ref_logps"] = [refs[i] for i in order]
     return out
+
+
+def _read_whole(shard_uris: list[str], filesystem, columns: list[str], limit: Optional[int]) -> Iterator[dict]:
+    """Shards in order, as numpy batches, up to `limit` rows (Ray Data's `limit` with order kept)."""
+    import pyarrow.parquet as pq
+
+    left = limit
+    for path in shard_uris:
+        if left is not None and left <= 0:
+            return
+        table = pq.read_table(path, columns=columns, filesystem=filesystem)
+        if left is not None:
+            table = table.slice(0, left)
+            left -= table.num_rows
+        yield {name: table.column(name).to_numpy(zero_copy_only=False) for name in columns}

@@ -261,8 +261,12 @@ def commit_checkpoint(store: Store, local_dir: Path, ckpt_uri: str, fence: Optio
     fs, path = store.resolve(ckpt_uri)
     fs.create_dir(path, recursive=True)
     copy_checkpoint_files(str(local_dir), path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
-    if sidecar is None:
-        return
+    if sidecar is not None:
+        commit_sidecar(store, ckpt_uri, fence, sidecar)
+
+
+def commit_sidecar(store: Store, ckpt_uri: str, fence: Optional[Fence], sidecar: Path) -> None:
+    """The commit itself: the run lease checked, then the sidecar put up, last."""
     if fence is not None:
         fence.check(store)
     store.write_bytes(join(ckpt_uri, SIDECAR), Path(sidecar).read_bytes())
@@ -270,7 +274,7 @@ def commit_checkpoint(store: Store, local_dir: Path, ckpt_uri: str, fence: Optio
 
 def save(cfg, store: Store, model, optimizer, *, step: int, rows_consumed: int, world_size: int,
          metrics: Optional[dict], rank: int, lineage: Optional[dict] = None, wait_for_upload: bool = False,
-         fence: Optional[Fence] = None, validate: bool = False) -> None:
+         fence: Optional[Fence] = None, validate: bool = False, direct: bool = False) -> None:
     """Every rank writes its DCP shards to a local dir; Ray Train uploads and merges them into
     `<run>/checkpoint-<step>/` and registers the checkpoint only once every rank's part is up.
     Rank 0 adds train_state.json and, last, the sidecar listing every rank's files (a collective:
@@ -279,7 +283,9 @@ def save(cfg, store: Store, model, optimizer, *, step: int, rows_consumed: int, 
     `checkpoint.async_upload` (a just-in-time save must be up before the group drains).
     `fence`: the run lease's epoch of the driver whose group saves it (app.lease): recorded in the
     sidecar, and checked right before the sidecar goes up (`commit_checkpoint`). `validate`:
-    Ray Train runs the trainer's validation function (app.eval.during) on it, off the steps' path."""
+    Ray Train runs the trainer's validation function (app.eval.during) on it, off the steps' path.
+    `direct` (torchrun, where Ray Train's local mode uploads nothing): the ranks commit it
+    themselves, the same files in the same layout (`commit_directly`)."""
     import ray.train
     import torch.distributed.checkpoint as dcp
     from ray.train import Checkpoint
@@ -303,6 +309,9 @@ def save(cfg, store: Store, model, optimizer, *, step: int, rows_consumed: int, 
         # Beside the directory, not in it: the directory goes up first, the sidecar last.
         sidecar_file = local.parent / f"{local.name}.{SIDECAR}"
         sidecar_file.write_text(json.dumps(sidecar, indent=2) + "\n")
+    if direct:
+        commit_directly(cfg, store, local, join(cfg.run_uri, checkpoint_dir_name(step)), fence, sidecar_file, rank)
+        return
     mode = CheckpointUploadMode.ASYNC if cfg.checkpoint.async_upload and not wait_for_upload else CheckpointUploadMode.SYNC
 
     def upload(checkpoint, dir_name: str):
@@ -321,6 +330,35 @@ def save(cfg, store: Store, model, optimizer, *, step: int, rows_consumed: int, 
                      delete_local_checkpoint_after_upload=True, checkpoint_upload_fn=upload, validation=validate)
     if mode == CheckpointUploadMode.SYNC:
         shutil.rmtree(local, ignore_errors=True)
+
+
+def commit_directly(cfg, store: Store, local: Path, ckpt_uri: str, fence: Optional[Fence], sidecar_file: Optional[Path],
+                    rank: int) -> None:
+    """Without Ray Train's upload (torchrun): every rank copies its part up, all wait for all, then
+    rank 0 commits the sidecar (the lease checked first) and keeps the newest
+    `checkpoint.num_to_keep`, as Ray Train's checkpoint manager does. Synchronous: the step waits."""
+    import torch.distributed as dist
+
+    try:
+        commit_checkpoint(store, local, ckpt_uri)
+        if dist.is_initialized():
+            dist.barrier()
+        if rank == 0:
+            commit_sidecar(store, ckpt_uri, fence, sidecar_file)
+            sidecar_file.unlink(missing_ok=True)
+            prune_checkpoints(store, cfg.run_uri, cfg.checkpoint.num_to_keep)
+        if dist.is_initialized():
+            dist.barrier()  # no rank steps on before the checkpoint is committed
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+
+
+def prune_checkpoints(store: Store, run_uri: str, num_to_keep: Optional[int]) -> None:
+    """Delete the usable checkpoints older than the newest `num_to_keep` (None keeps all)."""
+    if not num_to_keep:
+        return
+    for uri in list_checkpoints(store, run_uri)[:-num_to_keep]:
+        store.delete_prefix(uri)
 
 
 def gather_file_sizes(local_dir: Path, step: int) -> dict[str, int]:

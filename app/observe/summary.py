@@ -170,6 +170,8 @@ def build_summary(store: Store, cfg, status: str, wall_s: float, checkpoints: li
         "tokens_per_s": _last(metrics, "tokens_per_s"),
         "restarts": max(len(starts) - 1, 0),
         "driver_restarts": sum(1 for d in drivers if d.get("resumed")),
+        # How each driver ran the loop ("ray" or "torchrun"): a run may move between them.
+        "launchers": [d.get("launcher", "ray") for d in drivers],
         "world_sizes": [s["world_size"] for s in starts],
         "world_size_timeline": [{"time": s["time"], "world_size": s["world_size"],
                                  "from_step": s.get("resumed_from_step") or 0} for s in starts],

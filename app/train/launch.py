@@ -149,13 +149,46 @@ def build_trainer(cfg: JobConfig, store: Store, train_fn=None, fence: Fence | No
     )
 
 
+def build_local_trainer(cfg: JobConfig, train_fn=None, fence: Fence | None = None, driver: bool = True):
+    """Ray Train's local mode (`num_workers=0`): the same loop, in this process, as one rank of the
+    torchrun group whose environment this process has (app/train/torchrun.py). No Ray cluster:
+    the ranks read the shards directly and commit their checkpoints themselves. `driver` False
+    (ranks other than 0): the loop adopts rank 0's resolved config and fence when the group forms
+    (app.train.loop.adopt_rank_zero_config), so it is handed none of its own."""
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from app.train.loop import train_loop_per_worker
+
+    loop_config = {"launcher": "torchrun", "cfg": cfg.model_dump(mode="json") if driver else None,
+                   "mlflow": mlflow_settings() if driver else None,
+                   "fence": fence.to_dict() if fence is not None else None}
+    return TorchTrainer(train_fn or train_loop_per_worker, train_loop_config=loop_config,
+                        scaling_config=ScalingConfig(num_workers=0), run_config=RunConfig(name=cfg.name))
+
+
+def check_launcher(cfg: JobConfig, launcher: str) -> None:
+    """What only Ray's launch path does, refused in one line for the others before anything runs."""
+    if launcher == "ray":
+        return
+    if cfg.eval is not None and cfg.eval.every_checkpoints:
+        raise ValueError(f"eval.every_checkpoints {cfg.eval.every_checkpoints}: checkpoints are evaluated on Ray "
+                         f"Train's validation workers, which {launcher} does not have; unset it and run `eft eval` "
+                         f"on the checkpoints")
+    if cfg.training.objective == "grpo" and cfg.rl.rollout == "actors":
+        raise ValueError(f"rl.rollout actors: the rollout pool runs on Ray, which {launcher} does not start; "
+                         f"use rl.rollout: colocated")
+
+
 def run_training(cfg: JobConfig, store: Store | None = None, train_fn=None, wait_s: float | None = None,
-                 validation_fn=None) -> dict:
+                 validation_fn=None, launcher: str = "ray") -> dict:
     """Preflight → the run lease → trainer.fit() → summary.json. Returns the summary. `train_fn`
     wraps the worker loop (tests inject faults with it), `validation_fn` stands in for the
     evaluation of checkpoints (a benchmark plants a slow one). `wait_s`: wait up to this long for a
-    run lease another driver holds, instead of refusing at once."""
+    run lease another driver holds, instead of refusing at once. `launcher` "torchrun": this
+    process is rank 0 of a torchrun group (app/train/torchrun.py) and joins no Ray cluster."""
     store = store or Store.from_config(cfg.storage)
+    check_launcher(cfg, launcher)
     # A hub id becomes its pinned mirror here, on the driver, before Ray: no worker asks the hub.
     cfg, hub = resolve_model(cfg, store)
     preflight(cfg, store)
@@ -167,36 +200,50 @@ def run_training(cfg: JobConfig, store: Store | None = None, train_fn=None, wait
                             seal=lambda: ckpt.list_committed(store, cfg.run_uri)).start(wait_s=wait_s)
     try:
         try:
-            init_ray(log_to_driver=True)
+            if launcher == "ray":
+                init_ray(log_to_driver=True)
         except BaseException:
             lease.stop(discard=True)  # refused by the cluster: a run that never started leaves nothing
             raise
         if hub is not None:
             records.record_event(store, cfg.run_uri, "model_resolved", repo=hub["repo"], revision=hub["revision"],
                                  sha=hub["sha"], mirror_uri=hub["mirror_uri"])
-        return train_holding(cfg, store, lease, train_fn, validation_fn)
+        return train_holding(cfg, store, lease, train_fn, validation_fn, launcher)
     finally:
         lease.stop()
 
 
-def train_holding(cfg: JobConfig, store: Store, lease, train_fn=None, validation_fn=None) -> dict:
+def stopped_on_signal(store: Store, run_uri: str, since: float) -> bool:
+    return any(e["kind"] == "signal_checkpoint" and e["time"] >= since for e in records.load_events(store, run_uri))
+
+
+def train_holding(cfg: JobConfig, store: Store, lease, train_fn=None, validation_fn=None,
+                  launcher: str = "ray") -> dict:
     started = time.time()
     resumed = ckpt.find_latest_checkpoint(store, cfg.run_uri) is not None
     # The resolved config is stored with every run; it holds no credentials by construction.
     store.write_text(join(cfg.run_uri, "config.yaml"), dump_config(cfg))
-    records.record_event(store, cfg.run_uri, "driver_start", resumed=resumed, lease_epoch=lease.epoch)
+    records.record_event(store, cfg.run_uri, "driver_start", resumed=resumed, lease_epoch=lease.epoch,
+                         launcher=launcher)
     status, error = "succeeded", None
     # While the driver lives, a prepare may not replace the dataset the workers stream.
     reader = hold_reader_lease(store, cfg.data.uri, cfg.run_uri)
-    watcher = NodeWatcher().start() if cfg.scaling.min_workers < cfg.scaling.max_workers else None
+    elastic = launcher == "ray" and cfg.scaling.min_workers < cfg.scaling.max_workers
+    watcher = NodeWatcher().start() if elastic else None
     try:
-        build_trainer(cfg, store, train_fn, fence=lease.fence(), validation_fn=validation_fn).fit()
+        if launcher == "ray":
+            trainer = build_trainer(cfg, store, train_fn, fence=lease.fence(), validation_fn=validation_fn)
+        else:
+            trainer = build_local_trainer(cfg, train_fn, fence=lease.fence())
+        trainer.fit()
     except Exception as err:  # the summary records the failure; the CLI re-raises it
         status, error = "failed", worker_error(err)
     finally:
         if watcher:
             watcher.stop()
         reader.stop()
+    if status == "succeeded" and stopped_on_signal(store, cfg.run_uri, since=started):
+        status = "stopped"  # torchrun: a stop signal, its checkpoint up; the same command resumes
     summary = build_summary(store, cfg, status=status, wall_s=time.time() - started,
                             checkpoints=ckpt.list_checkpoints(store, cfg.run_uri),
                             error=None if error is None else f"{type(error).__name__}: {error}")

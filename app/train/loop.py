@@ -34,6 +34,7 @@ from app.elastic import checkpoint as ckpt
 from app.elastic.grow import GrowRequests, build_grow_requests
 from app.elastic.preemption import PreemptionWatcher, build_preemption_watcher, state_bytes
 from app.elastic.resume import build_lineage
+from app.elastic.signals import SignalStop, build_signal_stop
 from app.eval.during import should_validate
 from app.lease import Fence
 from app.model.build import build_model, count_parameters, resolve_precision, trainable_parameters
@@ -162,7 +163,7 @@ def train_loop_per_worker(config: dict) -> None:
 def train(w: "Worker") -> None:
     """Step, log and checkpoint until the last step."""
     w.model.module.train()
-    while w.progress.step < w.data.steps_total:
+    while w.progress.step < w.data.steps_total and w.progress.stopped_on is None:
         micro, lr, grad_norm = train_step(w)
         log_step(w, micro, lr, grad_norm)
         maybe_checkpoint(w)
@@ -227,6 +228,7 @@ class Watchers:
 
     preemption: Optional[PreemptionWatcher] = None
     grow: Optional[GrowRequests] = None
+    signal: Optional[SignalStop] = None  # torchrun: SIGTERM or SIGUSR1, then a checkpoint and stop
 
 
 @dataclass
@@ -242,6 +244,7 @@ class Progress:
     nonfinite: Optional[torch.Tensor] = None
     rollout_sums: dict = field(default_factory=dict)  # GRPO: the rollout statistics since the last log
     rollout_maxima: dict = field(default_factory=dict)
+    stopped_on: Optional[str] = None  # the signal that stopped the loop early (torchrun), once saved
 
 
 @dataclass
@@ -259,6 +262,7 @@ class Worker:
     model: ModelParts
     recorders: Recorders
     fence: Optional[Fence] = None  # the run lease's epoch this group was started with
+    launcher: str = "ray"  # or "torchrun": Ray Train's local mode, no Ray cluster (app/train/torchrun.py)
     watchers: Watchers = field(default_factory=Watchers)
     progress: Progress = field(default_factory=Progress)
 
@@ -269,6 +273,9 @@ def setup(config: dict) -> Worker:
     import ray.train.torch
 
     marks = {"entered_at": time.time()}
+    launcher = config.get("launcher", "ray")
+    if launcher == "torchrun":
+        config = adopt_rank_zero_config(config)
     cfg = JobConfig.model_validate(config["cfg"])
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
@@ -282,7 +289,8 @@ def setup(config: dict) -> Worker:
     device = ray.train.torch.get_device()
     # Before NCCL's first communicator, so its INIT/NET lines land where rank 0 can read them.
     nccl_probe = NcclProbe.start(device)
-    data = setup_data(cfg, store, rank, world)
+    reader = "direct" if launcher == "torchrun" else "ray"
+    data = setup_data(cfg, store, rank, world, reader)
     # A Store of its own, so its byte count is what loading the model read from storage.
     model_store, load_started = Store.from_config(cfg.storage), time.monotonic()
     marks["model_load_at"] = time.time()
@@ -291,18 +299,28 @@ def setup(config: dict) -> Worker:
     record_weights_loaded(store, cfg, rank, model_store.bytes_read, time.monotonic() - load_started,
                           bytes_cached=model_store.bytes_cached)
     if cfg.training.eval_every_steps and data.manifest["splits"].get("validation", {}).get("rows"):
-        data.val = load_validation_rows(cfg, store, data.manifest, data.isolate)
+        data.val = load_validation_rows(cfg, store, data.manifest, data.isolate, reader)
     if cfg.training.objective == "grpo":
         data.rollouts = build_rollouts(cfg, store, data.manifest, rank, world, device, model.autocast_dtype)
     return Worker(cfg=cfg, rank=rank, world=world, nodes=max(world // ctx.get_local_world_size(), 1), device=device,
                   store=store, data=data, model=model, recorders=Recorders(marks=marks, nccl_probe=nccl_probe),
-                  fence=fence)
+                  fence=fence, launcher=launcher)
 
 
-def setup_data(cfg: JobConfig, store: Store, rank: int, world: int) -> DataParts:
+def adopt_rank_zero_config(config: dict) -> dict:
+    """torchrun: rank 0 took the run lease and resolved the config before the group formed (the
+    other ranks started with cfg None); every rank trains on what rank 0 resolved, with its fence."""
+    if not dist.is_initialized():
+        return config
+    box = [config if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def setup_data(cfg: JobConfig, store: Store, rank: int, world: int, reader: str = "ray") -> DataParts:
     """This rank's row stream, started at the checkpoint's data position: it comes from the
     checkpoint's train_state.json alone, so the stream's start-up overlaps building the model and
-    restoring the shards."""
+    restoring the shards. `reader`: "ray" (Ray Data) or "direct" (torchrun: the same rows)."""
     import ray.train
 
     if cfg.training.objective == "grpo":
@@ -323,7 +341,7 @@ def setup_data(cfg: JobConfig, store: Store, rank: int, world: int) -> DataParts
     my_slice = RankSlice(rank, world, t.global_batch_size, origin=start_rows)
     openings: list[float] = []
     rows = iter_rank_rows(order, train_shards, data_fs, my_slice, start=start_rows, position_ids=isolate,
-                          ref_logps=reference, on_epoch_start=openings.append)
+                          ref_logps=reference, on_epoch_start=openings.append, reader=reader)
     batches = prefetch_in_background(iter_step_batches(rows, my_slice.rows_per_step, t.micro_batch_size,
                                                        plan.accum, trim=not manifest.get("packing", True)),
                                      depth=PREFETCH_STEPS)
@@ -362,14 +380,14 @@ def build_rollouts(cfg: JobConfig, store: Store, manifest: dict, rank: int, worl
                     autocast_dtype)
 
 
-def load_validation_rows(cfg: JobConfig, store: Store, manifest: dict, isolate: bool) -> dict:
+def load_validation_rows(cfg: JobConfig, store: Store, manifest: dict, isolate: bool, reader: str = "ray") -> dict:
     """The held-out rows evaluated at every eval step (at most eval_max_batches global batches)."""
     t = cfg.training
     data_fs, _ = store.resolve(cfg.data.uri)
     reference = cfg.reference_mode == "precomputed"
     val_shards = [store.resolve(u)[1] for u in split_shard_uris(cfg.data.uri, manifest, "validation", reference)]
     return load_split_rows(val_shards, data_fs, limit=t.eval_max_batches * t.global_batch_size, position_ids=isolate,
-                           ref_logps=reference)
+                           ref_logps=reference, reader=reader)
 
 
 def setup_model(cfg: JobConfig, model_store: Store, device: torch.device, rank: int, world: int) -> ModelParts:
@@ -439,8 +457,11 @@ def resume(w: Worker, config: dict) -> None:
         w.watchers.preemption = build_preemption_watcher(w.store, cfg.run_uri, w.rank, w.device,
                                                          state_bytes(m.params),
                                                          min_margin_s=cfg.checkpoint.preemption_margin_s)
-    if cfg.scaling.min_workers < cfg.scaling.max_workers and cfg.checkpoint.before_grow:
+    # A grow is Ray Train's (a bigger group started on new nodes); torchrun re-forms its own group.
+    if w.launcher == "ray" and cfg.scaling.min_workers < cfg.scaling.max_workers and cfg.checkpoint.before_grow:
         w.watchers.grow = build_grow_requests(w.store, cfg.run_uri, w.rank)
+    if w.launcher == "torchrun" and cfg.checkpoint.on_preemption:
+        w.watchers.signal = build_signal_stop(w.device)
     rec.timer = StepTimer(d.steps_total, start_step=step, device=w.device)
     rec.tokens_per_step = t.global_batch_size * cfg.data.seq_len
     rec.flops_per_token = model_flops_per_token(m.module, cfg.data.seq_len, cfg.lora is not None, m.n_total,
@@ -572,7 +593,8 @@ def rollout_record(w: Worker, record: dict) -> dict:
 
 def maybe_checkpoint(w: Worker) -> None:
     """Every `save_every_steps`, at the last step, at the last safe step before a pre-emption
-    deadline (then drain), and before a grow (then wait for the restart)."""
+    deadline (then drain), before a grow (then wait for the restart), and under torchrun at the
+    first step boundary after a stop signal (then leave the loop)."""
     cfg, p, rec, watch = w.cfg, w.progress, w.recorders, w.watchers
     step, last = p.step, w.data.steps_total
     periodic = step % cfg.checkpoint.save_every_steps == 0 or step == last
@@ -592,12 +614,13 @@ def maybe_checkpoint(w: Worker) -> None:
         just_in_time = watch.preemption.after_step(step, save_due=periodic, epoch_opening=(
             opens_epoch(p.rows_consumed - gbs, window, n), opens_epoch(p.rows_consumed, window, n)))
     before_grow = watch.grow.after_step(step) if watch.grow is not None else None
-    if not (just_in_time or before_grow or periodic):
+    signalled = watch.signal.after_step() if watch.signal is not None else None
+    if not (just_in_time or before_grow or periodic or signalled):
         return
     # A just-in-time or pre-grow save waits for its upload: the group drains only once it is up.
     # So does any save while a late one is pending (see PreemptionWatcher.save_pending).
     pending = watch.preemption is not None and watch.preemption.save_pending
-    wait_for_upload = (just_in_time is not None or before_grow is not None or pending
+    wait_for_upload = (just_in_time is not None or before_grow is not None or pending or signalled is not None
                        or not cfg.checkpoint.async_upload)
     if before_grow:
         # Written now: the save's report to Ray may block until the group is torn down (see
@@ -616,10 +639,17 @@ def maybe_checkpoint(w: Worker) -> None:
         rec.metrics.flush()
         ckpt.save(cfg, w.store, w.model.module, w.model.optimizer, step=step, rows_consumed=p.rows_consumed,
                   world_size=w.world, metrics=rec.metrics.latest(), rank=w.rank, lineage=w.data.lineage,
-                  wait_for_upload=wait_for_upload, fence=w.fence, validate=should_validate(cfg, step, periodic, last))
+                  wait_for_upload=wait_for_upload, fence=w.fence, validate=should_validate(cfg, step, periodic, last),
+                  direct=w.launcher == "torchrun")
     if watch.preemption is not None:
         watch.preemption.record_save(time.monotonic() - began, uploaded=wait_for_upload)
     rec.heartbeat.beat(step, force=True)
+    if signalled and step < last:
+        if w.rank == 0:
+            log.info("%s: checkpoint at step %d is up; stopping (resume with the same command)", signalled.name, step)
+            records.record_event(w.store, cfg.run_uri, "signal_checkpoint", step=step, signal=signalled.name,
+                                 seconds=round(time.monotonic() - began, 3))
+        p.stopped_on = signalled.name
     if just_in_time and just_in_time.drain and step < last:
         rec.heartbeat.flush()
         watch.preemption.drain(step)  # raises once the node is gone: Ray restarts from this checkpoint
@@ -633,6 +663,8 @@ def report(w: Worker) -> None:
     rec = w.recorders
     if w.watchers.grow is not None:
         w.watchers.grow.stop()
+    if w.watchers.signal is not None:
+        w.watchers.signal.restore()
     rec.metrics.flush()
     rec.heartbeat.flush()
     for sink in rec.sinks:

@@ -1,0 +1,140 @@
+"""The same loop under torchrun (Ray Train's local mode, no Ray cluster): torchrun's ranks train on
+the rows and losses of the Ray Train run at the same world size, a run moves between torchrun and
+Ray Train at any world size and stays on its trajectory, and each records itself as `eft train` does."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from train_runs import make_cfg
+
+from app.config import dump_config
+from app.elastic.checkpoint import list_checkpoints, load_train_state
+from app.observe.metrics import load_metrics
+from app.observe.records import load_events
+from app.observe.summary import load_summary
+from app.storage import Store
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+
+
+def torchrun(cfg_path: Path, nproc: int, *sets: str, timeout_s: float = 600) -> subprocess.CompletedProcess:
+    """torchrun as a user runs it, from the repository, on loopback with a rendezvous port of its own."""
+    args = [TORCHRUN, f"--nproc-per-node={nproc}", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
+            "-m", "app.train.torchrun", str(cfg_path), *[a for s in sets for a in ("--set", s)]]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout_s)
+
+
+def signal_rank_mid_run(cfg_path: Path, nproc: int, rank: int, signum: int, after_step: int,
+                        timeout_s: float = 600) -> tuple[int, str]:
+    """torchrun, and `signum` to one rank's process once rank 0 has logged `after_step`: (its exit
+    code, what it wrote to stderr)."""
+    import psutil
+
+    args = [TORCHRUN, f"--nproc-per-node={nproc}", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
+            "-m", "app.train.torchrun", str(cfg_path)]
+    proc = subprocess.Popen(args, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    lines, sent = [], False
+    deadline = time.monotonic() + timeout_s
+    for line in proc.stderr:
+        lines.append(line)
+        if not sent and f" step {after_step}/" in line:
+            (target,) = [c for c in psutil.Process(proc.pid).children()
+                         if c.environ().get("RANK") == str(rank)]
+            target.send_signal(signum)
+            sent = True
+        assert time.monotonic() < deadline, "".join(lines[-50:])
+    return proc.wait(timeout=60), "".join(lines)
+
+
+def test_a_run_moves_from_torchrun_to_ray_and_back_on_the_ray_runs_trajectory(straight_run, tmp_path):
+    """One run of the reference config (its checkpoints' evaluation, which runs on Ray's validation
+    workers, left out), three launches:
+    - torchrun, 2 ranks, stopped by SIGTERM to rank 1 after step 2 (Kubernetes' pod termination):
+      a checkpoint at the next step boundary, then exit 0 from the group. Up to there each step's
+      global batch holds the rows of the Ray Train run's at 2 workers, and the losses are the same
+      bit for bit (the same gloo reductions in the same order);
+    - Ray Train, 3 workers, three steps more, resumed from torchrun's checkpoint;
+    - torchrun, 1 rank (`--nproc-per-node=1`), to step 12, resumed from Ray's checkpoint.
+    Across world sizes the rows stay the same and the losses match up to the reduction order, as
+    in the 3 -> 2 -> 1 run under Ray; the checkpoints, metrics and summary are where and what they
+    are under Ray alone."""
+    from app.train.launch import run_training
+
+    _, ref_summary, reference = straight_run
+    cfg = make_cfg("moved")
+    cfg_path = tmp_path / "moved.yaml"
+    cfg_path.write_text(dump_config(cfg))
+    code, stderr = signal_rank_mid_run(cfg_path, 2, rank=1, signum=signal.SIGTERM, after_step=2)
+    assert code == 0, stderr[-4000:]
+    assert "world 2 x accum 2 x micro 2 = global batch 8" in stderr
+    store = Store()
+    first = load_summary(store, cfg.run_uri)
+    (saved,) = [e for e in load_events(store, cfg.run_uri) if e["kind"] == "signal_checkpoint"]
+    stop = saved["step"]
+    assert saved["signal"] == "SIGTERM" and 2 < stop < 9, saved
+    assert first["status"] == "stopped" and first["steps"] == stop and first["launchers"] == ["torchrun"]
+    assert first["latest_checkpoint"].endswith(f"checkpoint-{stop:08d}")
+    assert f"SIGTERM: checkpoint at step {stop} is up; stopping" in stderr
+    metrics = load_metrics(store, cfg.run_uri)
+    assert [(m["step"], m["row_ids"], m["loss"]) for m in metrics] == [
+        (m["step"], m["row_ids"], m["loss"]) for m in reference[:stop]]
+
+    padded = {**cfg.training.model_dump(), "max_steps": stop + 3, "pad_uneven_batches": True}
+    on_ray = run_training(make_cfg("moved", training=padded, scaling={"min_workers": 3, "max_workers": 3}))
+    assert on_ray["resumed_from_steps"] == [stop] and on_ray["launchers"] == ["torchrun", "ray"]
+
+    last = torchrun(cfg_path, 1, "training.max_steps=12")
+    assert last.returncode == 0, last.stderr[-4000:]
+    summary = load_summary(store, cfg.run_uri)
+    assert summary["status"] == "succeeded" and summary["steps"] == 12
+    assert summary["launchers"] == ["torchrun", "ray", "torchrun"] and summary["driver_restarts"] == 2
+    assert summary["world_sizes"] == [2, 3, 1] and summary["resumed_from_steps"] == [stop, stop + 3]
+    metrics = load_metrics(store, cfg.run_uri)
+    assert [m["step"] for m in metrics] == list(range(1, 13))
+    assert [m["world_size"] for m in metrics] == [2] * stop + [3] * 3 + [1] * (9 - stop)
+    assert {m["step"]: m["row_ids"] for m in metrics} == {m["step"]: m["row_ids"] for m in reference}
+    for got, want in zip(metrics, reference):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-4), got["step"]
+    assert summary["final_train_loss"] == pytest.approx(ref_summary["final_train_loss"], rel=1e-4)
+    # torchrun keeps the newest checkpoint.num_to_keep, complete, as Ray's checkpoint manager does.
+    kept = list_checkpoints(store, cfg.run_uri)
+    assert [uri.rsplit("/", 1)[1] for uri in kept] == [f"checkpoint-{stop + 3:08d}", "checkpoint-00000012"]
+    assert load_train_state(store, kept[-1])["rows_consumed"] == 12 * 8
+    starts = [e for e in load_events(store, cfg.run_uri) if e["kind"] == "driver_start"]
+    assert [(e["launcher"], e["lease_epoch"]) for e in starts] == [("torchrun", 1), ("ray", 2), ("torchrun", 3)]
+
+
+def test_the_torchrun_entry_outside_torchrun_is_one_line(tmp_path):
+    """Started by hand, without torchrun's environment: one line naming what is missing, exit 2."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    out = subprocess.run([sys.executable, "-m", "app.train.torchrun", "jobs/configs/tiny-cpu.yaml"],
+                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "eft: error: not started by torchrun (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, "
+        "MASTER_PORT unset): run `torchrun --nproc-per-node=N -m app.train.torchrun jobs/configs/tiny-cpu.yaml`"]
+
+
+@pytest.mark.parametrize("key,value,line", [
+    ("eval.every_checkpoints", "1", "eval.every_checkpoints 1: checkpoints are evaluated on Ray Train's validation "
+                                    "workers, which torchrun does not have"),
+])
+def test_what_only_ray_does_is_refused_under_torchrun_in_one_line(key, value, line):
+    from app.config import load_config
+    from app.train.launch import check_launcher
+
+    cfg = load_config(ROOT / "jobs/configs/tiny-cpu.yaml", ["eval.uri=s3://eft/eval.jsonl", f"{key}={value}"])
+    check_launcher(cfg, "ray")
+    with pytest.raises(ValueError) as err:
+        check_launcher(cfg, "torchrun")
+    assert str(err.value).startswith(line)
