@@ -158,9 +158,6 @@ def read_columns(position_ids: bool, ref_logps: bool = False) -> list[str]:
             + (["ref_logps"] if ref_logps else []))
 
 
-READERS = ("ray", "direct")
-
-
 def read_ray_data(paths: list[str], filesystem, columns: list[str], keep: "_KeepRankRows",
                   prefetch_batches: int) -> Iterator[dict]:
     """The shards' rows this rank keeps, as numpy batches, from Ray Data's read tasks."""
@@ -183,8 +180,7 @@ def read_direct(paths: list[str], filesystem, columns: list[str], keep: "_KeepRa
     import pyarrow.parquet as pq
 
     for path in paths:
-        table = pq.read_table(path, columns=columns, filesystem=filesystem)
-        kept = keep({name: table.column(name).to_numpy(zero_copy_only=False) for name in columns})
+        kept = keep(numpy_batch(pq.read_table(path, columns=columns, filesystem=filesystem), columns))
         if len(kept["row_id"]):  # a shard of other ranks' rows only: nothing to hand on
             yield kept
 
@@ -366,4 +362,10 @@ def _read_whole(shard_uris: list[str], filesystem, columns: list[str], limit: Op
         if left is not None:
             table = table.slice(0, left)
             left -= table.num_rows
-        yield {name: table.column(name).to_numpy(zero_copy_only=False) for name in columns}
+        yield numpy_batch(table, columns)
+
+
+def numpy_batch(table, columns: list[str]) -> dict:
+    """An Arrow table as the numpy batch Ray Data's `batch_format="numpy"` gives (list columns as
+    object arrays of rows, which `_stack` turns into 2-D)."""
+    return {name: table.column(name).to_numpy(zero_copy_only=False) for name in columns}

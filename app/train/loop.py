@@ -453,7 +453,9 @@ def resume(w: Worker, config: dict) -> None:
                                        lease_epoch=w.fence.epoch if w.fence is not None else None, **rec.marks)
     rec.heartbeat = records.Heartbeat(w.store, cfg.run_uri, attempt or "", enabled=w.rank == 0,
                                       world_size=w.world, resumed_from_step=step)
-    if cfg.checkpoint.on_preemption:
+    # Ray's notice comes only from its controller: Ray Train's local mode (torchrun) has none, and
+    # its stop signals have a watcher of their own (below).
+    if w.launcher == "ray" and cfg.checkpoint.on_preemption:
         w.watchers.preemption = build_preemption_watcher(w.store, cfg.run_uri, w.rank, w.device,
                                                          state_bytes(m.params),
                                                          min_margin_s=cfg.checkpoint.preemption_margin_s)
