@@ -237,7 +237,7 @@ def cmd_manifests(args) -> int:
             # The one line a user reads names where the first problem is and what it is.
             print(f"eft: {len(errors)} violation(s) in {count} manifest(s), the first: {errors[0]}", file=sys.stderr)
             return EXIT_FAILED
-        print(f"ok: {count} manifest(s) pass the KubeRay CRD schemas and the policy checks")
+        print(f"ok: {count} manifest(s) pass the KubeRay and Kubeflow CRD schemas and the policy checks")
         return 0
     if not args.config:
         raise ConfigError("manifests: give a job CONFIG to render, or --check DIR")
@@ -245,12 +245,18 @@ def cmd_manifests(args) -> int:
         raise ConfigError("--out: required (the directory to write the manifests to)")
     if args.export and not args.serve:
         raise ConfigError("--export: only with --serve (the export the RayService serves)")
+    if args.kubeflow and args.serve:
+        raise ConfigError("--kubeflow: not with --serve (serving runs on Ray Serve: a RayService)")
     cfg = _load(args)
     if args.serve:
         return write_serve_manifests(cfg, args)
     from app import kube
 
-    manifests, warnings = kube.render_checked(cfg, args.overlay, args.image, args.node_type, args.crd_dir)
+    if args.kubeflow:
+        manifests, warnings = kube.render_kubeflow_checked(cfg, args.kubeflow, args.overlay, args.image,
+                                                           args.node_type, args.crd_dir)
+    else:
+        manifests, warnings = kube.render_checked(cfg, args.overlay, args.image, args.node_type, args.crd_dir)
     # The same image warning holds for every container: say it once.
     for message in dict.fromkeys(w.message for w in warnings):
         print(f"eft: warning: {message}", file=sys.stderr)
@@ -454,7 +460,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write the demo's s3:// URIs on a non-loopback endpoint (only for a bucket you own)")
     p.set_defaults(fn=cmd_demo)
     p = sub.add_parser("manifests", help="render KubeRay RayJob/RayCluster/ConfigMap (--serve: a RayService "
-                                         "serving the export), or --check manifests")
+                                         "serving the export; --kubeflow: a TrainJob or PyTorchJob under "
+                                         "torchrun), or --check manifests")
     p.add_argument("config", nargs="?", help="job YAML to render")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
     p.add_argument("--overlay", default=None, help="eks-spot, gke-spot, kueue or base")
@@ -467,9 +474,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "serve.yaml and a vllm-serve.sh; the serve section of the config sizes it")
     p.add_argument("--export", default=None, metavar="URI",
                    help="with --serve: the export to serve (default: the run's latest)")
+    p.add_argument("--kubeflow", default=None, choices=None, metavar="trainjob|pytorchjob",
+                   help="render the run under torchrun for Kubeflow instead of KubeRay: a TrainJob (Kubeflow "
+                        "Trainer v2) on a TrainingRuntime of its own, or an elastic PyTorchJob (Training Operator v1)")
     p.add_argument("--out", default=None, help="directory to write configmap/rayjob/raycluster YAML to")
     p.add_argument("--check", default=None, metavar="DIR", help="validate every YAML under DIR (or a file)")
-    p.add_argument("--crd-dir", default=None, help="KubeRay CRD directory (default: the KubeRay v1.7.0 CRDs that ship with eft)")
+    p.add_argument("--crd-dir", default=None, help="CRD directory (default: the KubeRay v1.7.0, Kubeflow Trainer "
+                                                   "v2.3.0 and Training Operator v1.9.4 CRDs that ship with eft)")
     p.set_defaults(fn=cmd_manifests)
     p = with_config(sub.add_parser("plan", help="memory per GPU for DDP and FSDP2 at each world size, and "
                                                 "the parallelism auto picks"))

@@ -585,7 +585,8 @@ class EvalConfig(_Strict):
     every_checkpoints: int = Field(0, ge=0)
     """While training: score every Nth periodic checkpoint (and the last) in a Ray task of its own,
     through Ray Train's validation hook, off the steps' path; 0 = off. The score lands in the run's
-    metrics as `eval_<metric>` at the checkpoint's step."""
+    metrics as `eval_<metric>` at the checkpoint's step. Under torchrun (no Ray) rank 0 scores it
+    in its own process between steps, and the other ranks wait for it."""
     timeout_s: Optional[float] = Field(None, gt=0)
     """While training: give up on one checkpoint's evaluation after this long (a warning)."""
     engine: Literal["auto", "transformers", "vllm"] = "auto"

@@ -476,7 +476,7 @@ def test_cli_renders_and_checks_the_reference(tmp_path):
     (["--overlay", "eks-spot", "--image", IMAGE, "--set", "scaling.use_gpu=true", "--set",
       "scaling.gpus_per_worker=16"], "scaling.gpus_per_worker: 16 GPUs per worker do not fit a p4d.24xlarge"),
     (["--overlay", "eks-spot", "--image", IMAGE, "--crd-dir", "/nonexistent/crds"],
-     "--crd-dir: /nonexistent/crds: KubeRay CRD directory not found"),
+     "--crd-dir: /nonexistent/crds: CRD directory not found"),
 ])
 def test_cli_bad_input_is_one_line(tmp_path, args, message):
     result = run_cli("jobs/configs/tiny-cpu.yaml", *args, "--out", str(tmp_path / "m"))
@@ -489,9 +489,8 @@ def test_cli_bad_input_is_one_line(tmp_path, args, message):
 def test_check_without_crds_fails_naming_the_path(tmp_path):
     result = run_cli("--check", str(ROOT / "kuberay" / "base"), "--crd-dir", str(tmp_path / "no-crds"))
     assert result.returncode == 2
-    assert result.stderr.strip() == f"eft: error: --crd-dir: {tmp_path / 'no-crds'}: KubeRay CRD directory not " \
-                                    "found (expected ray.io_rayclusters.yaml, ray.io_rayjobs.yaml, " \
-                                    "ray.io_rayservices.yaml)"
+    assert result.stderr.strip() == f"eft: error: --crd-dir: {tmp_path / 'no-crds'}: CRD directory not found " \
+                                    f"(expected {', '.join(kube.CRD_FILES)})"
 
 
 def test_installed_package_carries_the_crds_and_checks_from_any_directory(tmp_path):
@@ -510,7 +509,7 @@ def test_installed_package_carries_the_crds_and_checks_from_any_directory(tmp_pa
     installed = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site),
                                 str(wheel)], capture_output=True, text=True, timeout=300)
     assert installed.returncode == 0, installed.stderr[-2000:]
-    for name in (*kube.CRD_FILES, "LICENSE", "README.md"):
+    for name in (*kube.CRD_FILES, "LICENSE", "LICENSE-kubeflow", "README.md"):
         assert (site / "app" / "kube" / "crds" / name).is_file(), name
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -525,7 +524,16 @@ def test_installed_package_carries_the_crds_and_checks_from_any_directory(tmp_pa
     checked = subprocess.run([sys.executable, "-m", "app.cli", "manifests", "--check", "m"], cwd=elsewhere, env=env,
                              capture_output=True, text=True, timeout=300)
     assert checked.returncode == 0, checked.stdout[-2000:] + checked.stderr[-2000:]
-    assert checked.stdout.strip() == f"ok: {len(FILES)} manifest(s) pass the KubeRay CRD schemas and the policy checks"
+    assert checked.stdout.strip() == f"ok: {len(FILES)} manifest(s) pass the KubeRay and Kubeflow CRD schemas and " \
+                                     "the policy checks"
+    # The Kubeflow CRDs travel too: a PyTorchJob renders and passes from the installed package.
+    rendered = subprocess.run([sys.executable, "-m", "app.cli", "manifests", str(REFERENCE), "--kubeflow", "pytorchjob",
+                               "--overlay", "eks-spot", "--image", IMAGE, "--out", "kf"], cwd=elsewhere, env=env,
+                              capture_output=True, text=True, timeout=300)
+    assert rendered.returncode == 0, rendered.stderr[-2000:]
+    checked = subprocess.run([sys.executable, "-m", "app.cli", "manifests", "--check", "kf"], cwd=elsewhere, env=env,
+                             capture_output=True, text=True, timeout=300)
+    assert checked.returncode == 0 and checked.stdout.startswith("ok: 4 manifest(s)"), checked.stdout + checked.stderr
 
 
 @pytest.mark.parametrize("overlay", ["base", "kueue"])

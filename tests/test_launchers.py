@@ -12,14 +12,17 @@ import time
 from pathlib import Path
 
 import pytest
-from train_runs import make_cfg
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from train_runs import make_cfg, write_eval_set
 
 from app.config import dump_config
 from app.elastic.checkpoint import list_checkpoints, load_train_state
+from app.eval.results import load_results
 from app.observe.metrics import load_metrics
 from app.observe.records import load_events
 from app.observe.summary import load_summary
-from app.storage import Store
+from app.report import load_run
+from app.storage import Store, join
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
@@ -57,14 +60,14 @@ def signal_rank_mid_run(cfg_path: Path, nproc: int, rank: int, signum: int, afte
 
 
 def test_a_run_moves_from_torchrun_to_ray_and_back_on_the_ray_runs_trajectory(straight_run, tmp_path):
-    """One run of the reference config (its checkpoints' evaluation, which runs on Ray's validation
-    workers, left out), three launches:
+    """One run of the reference config, three launches:
     - torchrun, 2 ranks, stopped by SIGTERM to rank 1 after step 2 (Kubernetes' pod termination):
       a checkpoint at the next step boundary, then exit 0 from the group. Up to there each step's
       global batch holds the rows of the Ray Train run's at 2 workers, and the losses are the same
       bit for bit (the same gloo reductions in the same order);
     - Ray Train, 3 workers, three steps more, resumed from torchrun's checkpoint;
-    - torchrun, 1 rank (`--nproc-per-node=1`), to step 12, resumed from Ray's checkpoint.
+    - torchrun, 1 rank (`--nproc-per-node=1`), to step 12, resumed from Ray's checkpoint, scoring
+      its checkpoints in process (eval.every_checkpoints) into the records Ray's validation writes.
     Across world sizes the rows stay the same and the losses match up to the reduction order, as
     in the 3 -> 2 -> 1 run under Ray; the checkpoints, metrics and summary are where and what they
     are under Ray alone."""
@@ -93,10 +96,26 @@ def test_a_run_moves_from_torchrun_to_ray_and_back_on_the_ray_runs_trajectory(st
     on_ray = run_training(make_cfg("moved", training=padded, scaling={"min_workers": 3, "max_workers": 3}))
     assert on_ray["resumed_from_steps"] == [stop] and on_ray["launchers"] == ["torchrun", "ray"]
 
-    last = torchrun(cfg_path, 1, "training.max_steps=12")
+    # The last leg scores its checkpoints as the run goes (eval.every_checkpoints): with no Ray,
+    # rank 0 does it in its own process, between steps, into the same records.
+    scored_path = tmp_path / "moved-scored.yaml"
+    scored_path.write_text(dump_config(make_cfg("moved", eval={"uri": write_eval_set(), "every_checkpoints": 1,
+                                                               "max_new_tokens": 8, "batch_size": 4})))
+    last = torchrun(scored_path, 1, "training.max_steps=12")
     assert last.returncode == 0, last.stderr[-4000:]
     summary = load_summary(store, cfg.run_uri)
     assert summary["status"] == "succeeded" and summary["steps"] == 12
+    (result,) = load_results(store, cfg.run_uri)
+    assert (result["label"], result["step"], result["n"], result["num_actors"]) == ("step-000012", 12, 12, 1)
+    assert result["checkpoint"]["kind"] == "checkpoint" and result["checkpoint"]["checkpoint_uri"].endswith(
+        "checkpoint-00000012")
+    scored = {r["step"]: r["eval_exact_match"] for r in load_run(store, cfg.run_uri)["metrics"]
+              if "eval_exact_match" in r}
+    assert scored == {12: result["score"]}
+    store.download_dir(join(cfg.run_uri, "tensorboard"), tmp_path / "tb")
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("eval_exact_match")] == [12]
     assert summary["launchers"] == ["torchrun", "ray", "torchrun"] and summary["driver_restarts"] == 2
     assert summary["world_sizes"] == [2, 3, 1] and summary["resumed_from_steps"] == [stop, stop + 3]
     metrics = load_metrics(store, cfg.run_uri)
@@ -125,16 +144,13 @@ def test_the_torchrun_entry_outside_torchrun_is_one_line(tmp_path):
         "MASTER_PORT unset): run `torchrun --nproc-per-node=N -m app.train.torchrun jobs/configs/tiny-cpu.yaml`"]
 
 
-@pytest.mark.parametrize("key,value,line", [
-    ("eval.every_checkpoints", "1", "eval.every_checkpoints 1: checkpoints are evaluated on Ray Train's validation "
-                                    "workers, which torchrun does not have"),
-])
-def test_what_only_ray_does_is_refused_under_torchrun_in_one_line(key, value, line):
+def test_what_only_ray_does_is_refused_under_torchrun_in_one_line():
     from app.config import load_config
     from app.train.launch import check_launcher
 
-    cfg = load_config(ROOT / "jobs/configs/tiny-cpu.yaml", ["eval.uri=s3://eft/eval.jsonl", f"{key}={value}"])
+    cfg = load_config(ROOT / "jobs/configs/tiny-grpo.yaml", ["rl.rollout=actors", "rl.rollout_actors=2"])
     check_launcher(cfg, "ray")
     with pytest.raises(ValueError) as err:
         check_launcher(cfg, "torchrun")
-    assert str(err.value).startswith(line)
+    assert str(err.value) == ("rl.rollout actors: the rollout pool runs on Ray, which torchrun does not start; "
+                              "use rl.rollout: colocated")

@@ -96,13 +96,27 @@ def shellcheck() -> str:
     return str(path)
 
 
-@pytest.fixture
-def fake_slurm(tmp_path):
+def install_shims(tmp_path: Path, shims: dict[str, str]) -> Path:
+    """The shims as executables in tmp_path/bin (put it first on PATH)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, text in SHIMS.items():
+    for name, text in shims.items():
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
+    return bin_dir
+
+
+def allocation_env(tmp_path: Path, bin_dir: Path, log: Path) -> dict[str, str]:
+    """A fake two-node allocation of 8-GPU, 96-CPU nodes, job 4242, with the shims first on PATH."""
+    return {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "SHIM_LOG": str(log),
+            "FAKE_HOSTNAMES": "node1 node2", "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node[1-2]",
+            "SLURM_JOB_NUM_NODES": "2", "SLURM_CPUS_PER_TASK": "96", "SLURM_GPUS_ON_NODE": "8",
+            "SLURM_SUBMIT_DIR": str(ROOT), "EFT_VENV": ""}
+
+
+@pytest.fixture
+def fake_slurm(tmp_path):
+    bin_dir = install_shims(tmp_path, SHIMS)
     log = tmp_path / "commands.log"
     log.touch()
     (tmp_path / "auth.log").touch()
@@ -113,17 +127,7 @@ def fake_slurm(tmp_path):
         "EFT_SLURM_STATE_DIR": str(tmp_path / "state"),
         # A stray token in the caller's environment must not reach the cluster.
         "RAY_AUTH_TOKEN": "stray-token-from-the-login-shell",
-        "PATH": f"{bin_dir}:/usr/bin:/bin",
-        "HOME": str(tmp_path),
-        "SHIM_LOG": str(log),
-        "FAKE_HOSTNAMES": "node1 node2",
-        "SLURM_JOB_ID": "4242",
-        "SLURM_JOB_NODELIST": "node[1-2]",
-        "SLURM_JOB_NUM_NODES": "2",
-        "SLURM_CPUS_PER_TASK": "96",
-        "SLURM_GPUS_ON_NODE": "8",
-        "SLURM_SUBMIT_DIR": str(ROOT),
-        "EFT_VENV": "",
+        **allocation_env(tmp_path, bin_dir, log),
         "RAY_POLL_S": "0.1",
         "RAY_WAIT_S": "20",
     }
@@ -236,10 +240,14 @@ def test_the_efa_switch_reaches_every_step(fake_slurm, fabric):
     assert f"fabric: {fabric or 'none'}" in err
 
 
-@pytest.mark.parametrize("extra, rc, message", [
+# What stops either Slurm script before it starts anything: (environment, exit code, its line).
+FABRIC_FAILURES = [
     ({"EFT_FABRIC": "efa", "FAKE_EFA": "0"}, 1, "EFT_FABRIC=efa but `fi_info -p efa` finds no EFA device on node1"),
     ({"EFT_FABRIC": "ib"}, 2, "EFT_FABRIC=ib: unknown fabric (efa or none)"),
-])
+]
+
+
+@pytest.mark.parametrize("extra, rc, message", FABRIC_FAILURES)
 def test_a_missing_or_unknown_fabric_stops_before_ray(fake_slurm, extra, rc, message):
     env, log = fake_slurm
     proc = start(env, "jobs/configs/llama3-70b-lora.yaml", **extra)

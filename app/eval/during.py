@@ -6,7 +6,8 @@ its own (`eval.cpus_per_actor` CPUs, a GPU when the workers have them), one at a
 workers keep stepping. The task scores the checkpoint in its own process (the same batches, so the
 same predictions, as `eft eval`), writes `<run>/eval/step-N/`, and sends `eval_<metric>` at the
 checkpoint's step to TensorBoard and MLflow. Any failure is a warning and an empty result: training
-never waits on, or fails for, an evaluation.
+never waits on, or fails for, an evaluation. Under torchrun there is no Ray: rank 0 scores the
+checkpoint the same way in its own process, between steps (`validate_in_process`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import socket
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Optional
 
 log = logging.getLogger("eft.eval")
@@ -67,6 +69,13 @@ def validate_checkpoint(checkpoint, cfg: dict, mlflow: Optional[dict] = None) ->
         log.warning("eval of %s failed, training goes on: %s: %s", getattr(checkpoint, "path", checkpoint),
                     type(err).__name__, str(err).splitlines()[0] if str(err) else "")
         return {}
+
+
+def validate_in_process(cfg, checkpoint_uri: str, mlflow: Optional[dict] = None) -> dict:
+    """Under torchrun, where there is no Ray and so no validation task: the same scoring of a
+    committed checkpoint, in the calling process (rank 0, between steps). Same outputs, same
+    failure rule (a warning and {}); `eval.timeout_s` does not apply, since nothing runs beside it."""
+    return validate_checkpoint(SimpleNamespace(path=checkpoint_uri), cfg.model_dump(mode="json"), mlflow)
 
 
 def publish_scalars(store, run_uri: str, record: dict, mlflow: Optional[dict]) -> None:

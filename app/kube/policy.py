@@ -1,7 +1,8 @@
 """The rules every manifest must keep beyond its schema (token auth, non-root hardened
 containers, a dedicated service account, head off spot, drain timing, pinned images, no
-literal credentials...), each Ray manifest checked against the job config it mounts, and
-`render_checked`, which refuses to hand out anything the checks reject.
+literal credentials...), each Ray or Kubeflow manifest checked against the job config it mounts,
+and `render_checked` / `render_kubeflow_checked`, which refuse to hand out anything the checks
+reject.
 
 A finding is `(field, message)` (an error) or `(field, message, WARNING)`."""
 
@@ -18,6 +19,8 @@ from app.kube.fabric import EFA_RESOURCE, NODE_TYPE_ANNOTATION, needs_fabric
 from app.kube.render import (API_TOKEN_MOUNT, CONFIG_MOUNT, DRAIN_ENV, ENTRYPOINT, EVAL_ENTRYPOINT, GPU_RESOURCE,
                              HEAD_CLIENT_PORTS, KUEUE_QUEUE_LABEL, RUN_LABEL, SAFE_TO_EVICT, SPOT_LABELS, TMP_MOUNT,
                              build_manifests, check_image, warn_image)
+from app.kube.kubeflow import (ANCESTOR_LABEL, PYTORCHJOB_CONTAINER, SHUTDOWN_FLAG, TORCHRUN_MODULE,
+                               TRAINJOB_CONTAINER, TRAINJOB_STEP, build_kubeflow_manifests)
 from app.kube.schema import ERROR, WARNING, Violation, check_schema, format_path, load_schemas
 from app.kube.service import SERVE_CLIENT_LABEL, SERVE_PORT, build_service_manifests
 from app.nodes import DAEMONS, FABRICS, NODE_TYPES, Fabric
@@ -149,7 +152,16 @@ def find_pod_fabric(spec: dict) -> Optional[Fabric]:
 
 def describe_worker_fabric(manifests: dict[str, dict]) -> str:
     """One line for `eft manifests`: the fabric the worker pods use, or why they use none."""
-    group = get(manifests["rayjob.yaml"], "spec", "rayClusterSpec", "workerGroupSpecs", 0, default={}) or {}
+    if "rayjob.yaml" in manifests:
+        group = get(manifests["rayjob.yaml"], "spec", "rayClusterSpec", "workerGroupSpecs", 0, default={}) or {}
+    elif "pytorchjob.yaml" in manifests:
+        spec = manifests["pytorchjob.yaml"]["spec"]
+        group = {"template": spec["pytorchReplicaSpecs"]["Worker"]["template"],
+                 "maxReplicas": spec["elasticPolicy"]["maxReplicas"]}
+    else:
+        runtime = manifests["trainingruntime.yaml"]["spec"]
+        group = {"template": runtime["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"],
+                 "maxReplicas": runtime["mlPolicy"]["numNodes"]}
     node = NODE_TYPES.get(get(group, "template", "metadata", "annotations", NODE_TYPE_ANNOTATION))
     fabric = find_pod_fabric(get(group, "template", "spec", default={}) or {})
     nodes = f"up to {group.get('maxReplicas')} {node.name if node else '?'} node(s)"
@@ -225,7 +237,9 @@ def check_container(c: dict, at: str, pod_context: dict, allowed_caps: tuple = (
     return out
 
 
-def check_pod(pod: dict, at: str, *, ray: bool) -> list[tuple]:
+def check_pod(pod: dict, at: str, *, ray: bool, drain: bool = True) -> list[tuple]:
+    """`ray`: a training pod (Ray's, or torchrun's with `drain` False: its stop budget is
+    torchrun's shutdown timeout, checked with its command)."""
     spec = pod.get("spec") or {}
     pod_context = spec.get("securityContext") or {}
     out = []
@@ -263,6 +277,8 @@ def check_pod(pod: dict, at: str, *, ray: bool) -> list[tuple]:
     if "ephemeral-storage" not in (get(main, "resources", "requests", default={}) or {}):
         out.append((f"{at}.spec.containers[0].resources.requests", "ephemeral-storage must be requested "
                                                                    "(the model cache and Ray's logs)"))
+    if not drain:
+        return out
     drain = next((e.get("value") for e in main.get("env") or [] if e.get("name") == DRAIN_ENV), None)
     grace = spec.get("terminationGracePeriodSeconds")
     if drain is None or not str(drain).isdigit():
@@ -408,6 +424,140 @@ def check_network_policy(doc: dict) -> list[tuple]:
     return out
 
 
+def check_torch_pod(pod: dict, at: str, nodes: int) -> list[tuple]:
+    """A torchrun pod of a Kubeflow job: hardened as a Ray worker (fabric for `nodes` nodes, spot
+    tolerations), running eft's torchrun entry on the mounted job config, with a grace period
+    longer than torchrun's shutdown timeout (the ranks' just-in-time checkpoint after SIGTERM)."""
+    out = check_pod(pod, at, ray=True, drain=False)
+    spec = pod.get("spec") or {}
+    out += check_worker_fabric({"template": pod, "maxReplicas": nodes}, at.removesuffix(".template"))
+    for key in selects_spot(spec):
+        if not tolerates(spec, key):
+            out.append((f"{at}.spec.tolerations", f"selects spot nodes ({key}) but does not tolerate the spot taint"))
+    main = get(spec, "containers", 0, default={}) or {}
+    command = [str(x) for x in (main.get("command") or []) + (main.get("args") or [])]
+    want = ["torchrun", "-m", TORCHRUN_MODULE, f"{CONFIG_MOUNT}/job.yaml"]
+    if not command or command[0] != "torchrun" or not is_subsequence(want[1:], command):
+        out.append((f"{at}.spec.containers[0].command", f"must run {' '.join(want)!r} (eft's loop under torchrun "
+                                                        f"on the mounted job config)"))
+    mounts = {m.get("mountPath") for m in main.get("volumeMounts") or []}
+    if CONFIG_MOUNT not in mounts:
+        out.append((f"{at}.spec.containers[0].volumeMounts", f"the job config must be mounted at {CONFIG_MOUNT}"))
+    timeout = next((arg.split("=", 1)[1] for arg in command if arg.startswith(f"{SHUTDOWN_FLAG}=")), None)
+    grace = spec.get("terminationGracePeriodSeconds")
+    if timeout is None or not timeout.isdigit():
+        out.append((f"{at}.spec.containers[0].command", f"{SHUTDOWN_FLAG}=S must be set (torchrun's default 30 s "
+                                                        f"may cut the just-in-time checkpoint short)"))
+    elif not isinstance(grace, int) or grace <= int(timeout):
+        out.append((f"{at}.spec.terminationGracePeriodSeconds",
+                    f"{grace} must be longer than torchrun's {SHUTDOWN_FLAG} ({timeout}) so the ranks checkpoint "
+                    f"before the kill"))
+    return out
+
+
+def is_subsequence(want: list[str], have: list[str]) -> bool:
+    """`want` appears in `have` as consecutive items."""
+    return any(have[i:i + len(want)] == want for i in range(len(have) - len(want) + 1))
+
+
+def check_kueue_suspended(doc: dict, suspend_at: tuple[str, ...]) -> list[tuple]:
+    if KUEUE_QUEUE_LABEL in (get(doc, "metadata", "labels", default={}) or {}) and \
+            get(doc, *suspend_at) is not True:
+        return [(".".join(suspend_at), "must be true under Kueue (it unsuspends the job on admission)")]
+    return []
+
+
+ML_POLICIES = ("torch", "mpi", "jax", "xgboost", "flux")
+
+
+def check_training_runtime(doc: dict) -> list[tuple]:
+    """eft's TrainingRuntime (or a ClusterTrainingRuntime it runs on): the torch policy and one
+    `node` step whose pods keep the torchrun pod's rules."""
+    spec = doc.get("spec") or {}
+    out = []
+    policies = [k for k in ML_POLICIES if k in (get(spec, "mlPolicy", default={}) or {})]
+    if "torch" not in policies:
+        out.append(("spec.mlPolicy.torch", "must be set (the torch plugin injects torchrun's PET_* variables)"))
+    if len(policies) > 1:
+        # The CRD's own CEL rule, which the API server runs and a schema check does not.
+        out.append(("spec.mlPolicy", f"only one of {', '.join(ML_POLICIES)} may be set (sets {policies})"))
+    nodes = get(spec, "mlPolicy", "numNodes", default=1)
+    jobs = get(spec, "template", "spec", "replicatedJobs", default=[]) or []
+    if not any(j.get("name") == TRAINJOB_STEP for j in jobs):
+        out.append(("spec.template.spec.replicatedJobs", f"needs the replicated job {TRAINJOB_STEP!r} "
+                                                         f"(the trainer step the torch plugin configures)"))
+    for i, job in enumerate(jobs):
+        at = f"spec.template.spec.replicatedJobs[{i}].template.spec.template"
+        pod = get(job, "template", "spec", "template", default={}) or {}
+        if job.get("name") == TRAINJOB_STEP:
+            if get(job, "template", "metadata", "labels", ANCESTOR_LABEL) != "trainer":
+                out.append((f"spec.template.spec.replicatedJobs[{i}].template.metadata.labels",
+                            f'{ANCESTOR_LABEL} must be "trainer"'))
+            if get(pod, "spec", "containers", 0, "name") != TRAINJOB_CONTAINER:
+                out.append((f"{at}.spec.containers[0].name", f"must be {TRAINJOB_CONTAINER!r} (the container "
+                                                             f"Trainer injects PET_* into)"))
+            out += check_torch_pod(pod, at, nodes if isinstance(nodes, int) else 1)
+        else:
+            out += check_pod(pod, at, ray=False)
+    return out
+
+
+def check_train_job(doc: dict) -> list[tuple]:
+    spec = doc.get("spec") or {}
+    trainer = spec.get("trainer") or {}
+    out = check_kueue_suspended(doc, ("spec", "suspend"))
+    if not isinstance(spec.get("activeDeadlineSeconds"), int) or spec["activeDeadlineSeconds"] < 1:
+        out.append(("spec.activeDeadlineSeconds", "must be set to an integer >= 1"))
+    if "image" in trainer and (problem := check_image(trainer["image"])):
+        out.append(("spec.trainer.image", problem))
+    command = [str(x) for x in (trainer.get("command") or []) + (trainer.get("args") or [])]
+    if command and (command[0] != "torchrun" or TORCHRUN_MODULE not in command):
+        out.append(("spec.trainer.command", f"must run torchrun -m {TORCHRUN_MODULE} (or be left to the runtime)"))
+    for i, env in enumerate(trainer.get("env") or []):
+        if SECRET_NAME.search(env.get("name", "")) and "value" in env:
+            out.append((f"spec.trainer.env[{i}].value", f"{env['name']} is a literal credential; use a "
+                                                        f"secretKeyRef or a service account"))
+    return out
+
+
+def check_pytorch_job(doc: dict) -> list[tuple]:
+    """An elastic PyTorchJob: workers only (c10d rendezvous, no master), bounded retries, and pods
+    that keep the torchrun pod's rules."""
+    spec = doc.get("spec") or {}
+    out = check_kueue_suspended(doc, ("spec", "runPolicy", "suspend"))
+    elastic = spec.get("elasticPolicy")
+    if not elastic:
+        out.append(("spec.elasticPolicy", "must be set (min/max replicas: the job re-forms at a new size "
+                                          "instead of failing when a node goes)"))
+    else:
+        if elastic.get("rdzvBackend") != "c10d":
+            out.append(("spec.elasticPolicy.rdzvBackend", f"{elastic.get('rdzvBackend')!r} must be 'c10d'"))
+        lo, hi = elastic.get("minReplicas"), elastic.get("maxReplicas")
+        if not isinstance(lo, int) or not isinstance(hi, int) or lo > hi or lo < 1:
+            out.append(("spec.elasticPolicy.minReplicas", f"{lo}..{hi}: need 1 <= minReplicas <= maxReplicas"))
+    for key in ("backoffLimit", "activeDeadlineSeconds"):
+        if not isinstance(get(spec, "runPolicy", key), int) or get(spec, "runPolicy", key) < 1:
+            out.append((f"spec.runPolicy.{key}", "must be set to an integer >= 1"))
+    replicas = spec.get("pytorchReplicaSpecs") or {}
+    for role in replicas:
+        if role != "Worker":
+            out.append((f"spec.pytorchReplicaSpecs.{role}", "an elastic job has Worker replicas only (the "
+                                                            "rendezvous replaces the master)"))
+    for role, replica in replicas.items():
+        at = f"spec.pytorchReplicaSpecs.{role}.template"
+        if replica.get("restartPolicy") not in ("OnFailure", "ExitCode"):
+            out.append((f"spec.pytorchReplicaSpecs.{role}.restartPolicy",
+                        f"{replica.get('restartPolicy')!r} must be OnFailure (or ExitCode): a failed rank restarts "
+                        f"and rejoins"))
+        tpl = replica.get("template") or {}
+        if get(tpl, "spec", "containers", 0, "name") != PYTORCHJOB_CONTAINER:
+            out.append((f"{at}.spec.containers[0].name", f"must be {PYTORCHJOB_CONTAINER!r} (the container the "
+                                                         f"operator injects the rendezvous into)"))
+        nodes = get(elastic, "maxReplicas", default=replica.get("replicas", 1)) if elastic else replica.get("replicas")
+        out += check_torch_pod(tpl, at, nodes if isinstance(nodes, int) else 1)
+    return out
+
+
 def check_policy(doc: dict) -> list[tuple]:
     out = [(format_path(path), "looks like a literal AWS access key id; use a service account or a secretKeyRef")
            for path, text in iter_strings(doc) if AWS_KEY_ID.search(text)]
@@ -417,6 +567,12 @@ def check_policy(doc: dict) -> list[tuple]:
         out += check_ray_job(doc)
     elif doc.get("kind") == "RayService":
         out += check_ray_service(doc)
+    elif doc.get("kind") in ("TrainingRuntime", "ClusterTrainingRuntime"):
+        out += check_training_runtime(doc)
+    elif doc.get("kind") == "TrainJob":
+        out += check_train_job(doc)
+    elif doc.get("kind") == "PyTorchJob":
+        out += check_pytorch_job(doc)
     elif doc.get("kind") == "NetworkPolicy":
         out += check_network_policy(doc)
     elif doc.get("kind") == "ServiceAccount" and get(doc, "metadata", "name") == "default":
@@ -460,6 +616,69 @@ def check_run_is_fenced(docs: list[tuple[str, Any]], run: str) -> list[str]:
     return [kind for kind in ("NetworkPolicy", "PodDisruptionBudget") if (kind, run) not in kinds]
 
 
+def mounted_config(pod: dict, configs: dict[str, JobConfig]) -> Optional[JobConfig]:
+    for volume in get(pod, "spec", "volumes", default=[]) or []:
+        if (cfg := configs.get(get(volume, "configMap", "name", default=None))) is not None:
+            return cfg
+    return None
+
+
+def check_world_size(field: str, what: str, nodes: Any, per_node: Any, workers: int, key: str) -> list[tuple]:
+    try:
+        have = int(nodes) * int(per_node)
+    except (TypeError, ValueError):
+        return [(field, f"{nodes} nodes x {per_node} processes is not a world size")]
+    if have != workers:
+        return [(field, f"{what} {nodes} x {per_node} processes = {have} does not match scaling.{key} ({workers})")]
+    return []
+
+
+def check_kubeflow_run(manifest: str, doc: dict, docs: list[tuple[str, Any]],
+                       configs: dict[str, JobConfig]) -> list[Violation]:
+    """A TrainJob (through its TrainingRuntime) or PyTorchJob against the job config its pods
+    mount, when that ConfigMap is among the documents: the world size is the config's, and the run
+    carries its NetworkPolicy."""
+    out = []
+    spec = doc.get("spec") or {}
+    if doc["kind"] == "TrainJob":
+        ref = spec.get("runtimeRef") or {}
+        runtime = next((d for _, d in docs if isinstance(d, dict) and d.get("kind") == ref.get("kind", "ClusterTrainingRuntime")
+                        and get(d, "metadata", "name") == ref.get("name")), None)
+        if runtime is None:
+            return [Violation(manifest, "spec.runtimeRef", f"{ref.get('kind', 'ClusterTrainingRuntime')} "
+                                                           f"{ref.get('name')!r} is not among the checked manifests: "
+                                                           f"its pods are not checked", WARNING)]
+        pod = get(runtime, "spec", "template", "spec", "replicatedJobs", 0, "template", "spec", "template", default={})
+        cfg = mounted_config(pod, configs)
+        if cfg is None:
+            return []
+        nodes = get(spec, "trainer", "numNodes", default=get(runtime, "spec", "mlPolicy", "numNodes", default=1))
+        per_node = get(spec, "trainer", "numProcPerNode", default=None)
+        found = check_world_size("spec.trainer.numNodes", "numNodes x numProcPerNode:", nodes, per_node,
+                                 cfg.scaling.max_workers, "max_workers")
+        if cfg.scaling.min_workers < cfg.scaling.max_workers:
+            found.append(("spec.trainer.numNodes", f"a TrainJob is not elastic: it runs scaling.max_workers "
+                                                   f"({cfg.scaling.max_workers}) throughout, never fewer "
+                                                   f"(--kubeflow pytorchjob re-forms between min_workers and "
+                                                   f"max_workers)", WARNING))
+    else:
+        pod = get(spec, "pytorchReplicaSpecs", "Worker", "template", default={}) or {}
+        cfg = mounted_config(pod, configs)
+        if cfg is None:
+            return []
+        found = []
+        for key, field in (("minReplicas", "min_workers"), ("maxReplicas", "max_workers")):
+            found += check_world_size(f"spec.elasticPolicy.{key}", f"{key} x nprocPerNode:",
+                                      get(spec, "elasticPolicy", key), spec.get("nprocPerNode"),
+                                      getattr(cfg.scaling, field), field)
+    out += [Violation(manifest, *finding) for finding in found]
+    run = get(doc, "metadata", "labels", RUN_LABEL, default="")
+    if "NetworkPolicy" in check_run_is_fenced(docs, run):
+        out.append(Violation(manifest, f"metadata.labels[{RUN_LABEL!r}]", f"run {run!r} has no NetworkPolicy "
+                                                                          f"selecting its pods"))
+    return out
+
+
 def check_documents(docs: list[tuple[str, Any]], schemas: dict) -> list[Violation]:
     """Schema + policy for each (manifest label, document), then each Ray manifest against the
     job config of the ConfigMap it mounts, when that ConfigMap is among the documents (and then
@@ -483,6 +702,8 @@ def check_documents(docs: list[tuple[str, Any]], schemas: dict) -> list[Violatio
             out += [Violation(manifest, f"metadata.labels[{RUN_LABEL!r}]", f"service {run!r} has no {kind} "
                                                                             f"selecting its pods")
                     for kind in check_run_is_fenced(docs, run)]
+        if isinstance(doc, dict) and doc.get("kind") in ("TrainJob", "PyTorchJob"):
+            out += check_kubeflow_run(manifest, doc, docs, configs)
         if not isinstance(doc, dict) or doc.get("kind") not in ("RayCluster", "RayJob"):
             continue
         at = "spec.rayClusterSpec" if doc["kind"] == "RayJob" else "spec"
@@ -572,6 +793,17 @@ def render_checked(cfg: JobConfig, overlay: Optional[str], image: Optional[str],
                    crd_dir: str | Path | None = None) -> tuple[dict[str, dict], list[Violation]]:
     """build_manifests, refusing to hand out anything the validator rejects; (manifests, warnings)."""
     manifests = build_manifests(cfg, overlay, image, node_type)
+    problems = check_documents(list(manifests.items()), load_schemas(crd_dir))
+    if errors := errors_of(problems):
+        raise ValueError(f"rendered manifests fail validation: {errors[0]}")
+    return manifests, problems
+
+
+def render_kubeflow_checked(cfg: JobConfig, kind: str, overlay: Optional[str], image: Optional[str],
+                            node_type: Optional[str], crd_dir: str | Path | None = None
+                            ) -> tuple[dict[str, dict], list[Violation]]:
+    """build_kubeflow_manifests, refusing to hand out anything the validator rejects; (manifests, warnings)."""
+    manifests = build_kubeflow_manifests(cfg, kind, overlay, image, node_type)
     problems = check_documents(list(manifests.items()), load_schemas(crd_dir))
     if errors := errors_of(problems):
         raise ValueError(f"rendered manifests fail validation: {errors[0]}")

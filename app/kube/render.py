@@ -231,10 +231,11 @@ def build_spot_tolerations(overlay: Overlay) -> list[dict]:
     return [{"key": k, "operator": "Exists", "effect": "NoSchedule"} for k in keys]
 
 
-def build_env(cfg: JobConfig, overlay: Overlay) -> list[dict]:
-    env = [{"name": DRAIN_ENV, "value": str(overlay.drain_timeout_s)},
-           {"name": "AWS_DEFAULT_REGION", "value": cfg.storage.s3_region},
-           {"name": "RAY_USAGE_STATS_ENABLED", "value": "0"}]
+def build_env(cfg: JobConfig, overlay: Overlay, drain: bool = True) -> list[dict]:
+    """`drain`: Ray's graceful drain on a node's termination (torchrun pods stop on SIGTERM instead)."""
+    env = [{"name": DRAIN_ENV, "value": str(overlay.drain_timeout_s)}] if drain else []
+    env += [{"name": "AWS_DEFAULT_REGION", "value": cfg.storage.s3_region},
+            {"name": "RAY_USAGE_STATS_ENABLED", "value": "0"}]
     env += [{"name": key, "value": value} for key, value in CACHE_ENV.items()]
     if overlay.provider == "gcp":
         # The app speaks S3; on GKE that is GCS's S3 API with HMAC keys kept in a Secret.
@@ -283,14 +284,16 @@ def build_labels(name: str) -> dict:
 
 def build_pod_template(cfg: JobConfig, overlay: Overlay, image: str, *, head: bool, resources: dict,
                        config_map: Optional[str], shm_gib: int, extra: dict, name: Optional[str] = None,
-                       ports: tuple[tuple[str, int], ...] = (), env: tuple[tuple[str, str], ...] = ()) -> dict:
-    """A Ray pod: `name` labels it (default: the run's kube name); `config_map`, when given, is the
-    job config mounted at CONFIG_MOUNT; `ports` are named container ports beyond the head's own."""
+                       ports: tuple[tuple[str, int], ...] = (), env: tuple[tuple[str, str], ...] = (),
+                       container_name: Optional[str] = None, drain: bool = True) -> dict:
+    """A Ray pod (or, with `container_name` and no `drain`, a torchrun pod): `name` labels it
+    (default: the run's kube name); `config_map`, when given, is the job config mounted at
+    CONFIG_MOUNT; `ports` are named container ports beyond the head's own."""
     container = {
-        "name": "ray-head" if head else "ray-worker",
+        "name": container_name or ("ray-head" if head else "ray-worker"),
         "image": image,
         "imagePullPolicy": "IfNotPresent",
-        "env": build_env(cfg, overlay) + [{"name": k, "value": v} for k, v in env],
+        "env": build_env(cfg, overlay, drain) + [{"name": k, "value": v} for k, v in env],
         "resources": resources,
         "securityContext": build_security_context(),
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"},
@@ -337,26 +340,9 @@ def build_cluster_spec(cfg: JobConfig, overlay: Overlay, image: str, place: Plac
     pod = {"name": name, "ports": ports, "env": env}
     head = build_pod_template(cfg, overlay, image, head=True, resources=build_resources(4, 16, 0, HEAD_EPHEMERAL_GIB),
                               config_map=config_map, shm_gib=4, extra={"affinity": build_head_affinity()}, **pod)
-    extra: dict[str, Any] = {"restartPolicy": "Never"}  # autoscaler v2 replaces failed worker pods itself
-    tolerations = []
-    if overlay.spot:
-        extra["affinity"] = build_spot_affinity(overlay)
-        tolerations += build_spot_tolerations(overlay)
-    if place.pod_gpus:
-        tolerations.append({"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
-    if tolerations:
-        extra["tolerations"] = tolerations
-    if overlay.name != "base":
-        extra["nodeSelector"] = {"node.kubernetes.io/instance-type": place.node.name}
-    ephemeral = place.node.model_cache_gib + EPHEMERAL_OVERHEAD_GIB
-    worker = build_pod_template(cfg, overlay, image, head=False,
-                                resources=build_resources(place.pod_cpus, place.pod_memory_gib, place.pod_gpus,
-                                                          ephemeral),
-                                config_map=config_map, shm_gib=max(1, place.pod_memory_gib // 3), extra=extra, **pod)
-    # The node type the pods are sized for, so the policy check knows its fabric on any overlay.
-    worker["metadata"].setdefault("annotations", {})[NODE_TYPE_ANNOTATION] = place.node.name
-    if fabric and (needed := needs_fabric(place.node, place.max_replicas, place.pod_gpus)):
-        apply_fabric(worker, needed, place.node)
+    # Autoscaler v2 replaces failed worker pods itself.
+    worker = build_worker_template(cfg, overlay, image, place, config_map=config_map, fabric=fabric,
+                                   restart_policy="Never", **pod)
     group = "gpu-workers" if place.pod_gpus else "cpu-workers"
     return {
         "rayVersion": RAY_VERSION,
@@ -381,6 +367,37 @@ def build_cluster_spec(cfg: JobConfig, overlay: Overlay, image: str, place: Plac
             "template": worker,
         }],
     }
+
+
+def build_worker_template(cfg: JobConfig, overlay: Overlay, image: str, place: Placement, *, name: str,
+                          config_map: Optional[str], fabric: bool = True, restart_policy: Optional[str] = None,
+                          ports: tuple[tuple[str, int], ...] = (), env: tuple[tuple[str, str], ...] = (),
+                          container_name: Optional[str] = None, drain: bool = True) -> dict:
+    """A training pod on a whole node of `place`: spot-only on spot overlays (with the spot and GPU
+    tolerations), pinned to the node type, sized to it, with its fabric when the group spans nodes.
+    The Ray worker group's pods and Kubeflow's torchrun pods are both this."""
+    extra: dict[str, Any] = {"restartPolicy": restart_policy} if restart_policy else {}
+    tolerations = []
+    if overlay.spot:
+        extra["affinity"] = build_spot_affinity(overlay)
+        tolerations += build_spot_tolerations(overlay)
+    if place.pod_gpus:
+        tolerations.append({"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
+    if tolerations:
+        extra["tolerations"] = tolerations
+    if overlay.name != "base":
+        extra["nodeSelector"] = {"node.kubernetes.io/instance-type": place.node.name}
+    ephemeral = place.node.model_cache_gib + EPHEMERAL_OVERHEAD_GIB
+    worker = build_pod_template(cfg, overlay, image, head=False,
+                                resources=build_resources(place.pod_cpus, place.pod_memory_gib, place.pod_gpus,
+                                                          ephemeral),
+                                config_map=config_map, shm_gib=max(1, place.pod_memory_gib // 3), extra=extra,
+                                name=name, ports=ports, env=env, container_name=container_name, drain=drain)
+    # The node type the pods are sized for, so the policy check knows its fabric on any overlay.
+    worker["metadata"].setdefault("annotations", {})[NODE_TYPE_ANNOTATION] = place.node.name
+    if fabric and (needed := needs_fabric(place.node, place.max_replicas, place.pod_gpus)):
+        apply_fabric(worker, needed, place.node)
+    return worker
 
 
 def build_submitter_template(name: str, overlay: Overlay, image: str) -> dict:

@@ -1,4 +1,4 @@
-"""Manifests validated against the KubeRay CRDs' openAPIV3Schema with unknown fields as errors,
+"""Manifests validated against the vendored CRDs' (KubeRay, Kubeflow) openAPIV3Schema with unknown fields as errors,
 like `kubectl apply --validate=strict`. Each problem is a `Violation`:
 `<manifest>: <field path>: <message>`."""
 
@@ -15,11 +15,12 @@ import yaml
 
 from app.config import ConfigError
 
-# Vendored KubeRay v1.7.0 CRDs, shipped as package data (see crds/README.md).
+# Vendored KubeRay v1.7.0, Kubeflow Trainer v2.3.0 and Training Operator v1.9.4 CRDs, shipped as
+# package data (see crds/README.md).
 DEFAULT_CRD_DIR = Path(__file__).resolve().parent / "crds"
-CRD_FILES = ("ray.io_rayclusters.yaml", "ray.io_rayjobs.yaml", "ray.io_rayservices.yaml")
-
-
+CRD_FILES = ("ray.io_rayclusters.yaml", "ray.io_rayjobs.yaml", "ray.io_rayservices.yaml",
+             "trainer.kubeflow.org_trainjobs.yaml", "trainer.kubeflow.org_trainingruntimes.yaml",
+             "trainer.kubeflow.org_clustertrainingruntimes.yaml", "kubeflow.org_pytorchjobs.yaml")
 
 ERROR = "error"
 WARNING = "warning"
@@ -124,7 +125,7 @@ def strict_schema(node: Any) -> Any:
 
 
 def load_schemas(crd_dir: str | Path | None = None) -> dict[tuple[str, str], dict]:
-    """(apiVersion, kind) → strict JSON Schema, from the KubeRay CRDs plus built-in ConfigMap,
+    """(apiVersion, kind) → strict JSON Schema, from the vendored CRDs plus built-in ConfigMap,
     ServiceAccount, NetworkPolicy and PodDisruptionBudget schemas."""
     return _load_schemas(Path(crd_dir or DEFAULT_CRD_DIR).resolve())
 
@@ -132,7 +133,7 @@ def load_schemas(crd_dir: str | Path | None = None) -> dict[tuple[str, str], dic
 @functools.lru_cache(maxsize=4)  # the CRDs are 2 MB of YAML; parse them once per process
 def _load_schemas(crd_dir: Path) -> dict[tuple[str, str], dict]:
     if not crd_dir.is_dir():
-        raise ConfigError(f"--crd-dir: {crd_dir}: KubeRay CRD directory not found "
+        raise ConfigError(f"--crd-dir: {crd_dir}: CRD directory not found "
                           f"(expected {', '.join(CRD_FILES)})")
     schemas = {("v1", "ConfigMap"): CONFIG_MAP_SCHEMA, ("v1", "ServiceAccount"): SERVICE_ACCOUNT_SCHEMA,
                ("networking.k8s.io/v1", "NetworkPolicy"): NETWORK_POLICY_SCHEMA,

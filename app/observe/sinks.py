@@ -119,6 +119,10 @@ class TensorBoardSink:
     def _open(self, purge_step: Optional[int] = None):
         from torch.utils.tensorboard import SummaryWriter
 
+        # A file is named for when it was opened, not closed: a resumed run's first file opens with
+        # the marker that drops the points past its restart, and must sort before the event files
+        # other processes add meanwhile (a checkpoint's score) or TensorBoard drops those too.
+        self._opened_ms = time.time_ns() // 10**6
         return SummaryWriter(str(self.local), purge_step=purge_step)
 
     def log(self, record: dict) -> None:
@@ -136,7 +140,7 @@ class TensorBoardSink:
             for path in sorted(p for p in self.local.iterdir() if p not in known):
                 # TensorBoard reads a directory's files in name order; SummaryWriter's names end in a
                 # process-wide counter that sorts "10" before "9", so the uploaded name carries our own.
-                name = f"events.out.tfevents.{time.time_ns() // 10**6:013d}.{self._seq:06d}.{self._origin}"
+                name = f"events.out.tfevents.{self._opened_ms:013d}.{self._seq:06d}.{self._origin}"
                 self._closed.append((name, path))
                 self._seq += 1
         if reopen:

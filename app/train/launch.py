@@ -171,10 +171,6 @@ def check_launcher(cfg: JobConfig, launcher: str) -> None:
     """What only Ray's launch path does, refused in one line for the others before anything runs."""
     if launcher == "ray":
         return
-    if cfg.eval is not None and cfg.eval.every_checkpoints:
-        raise ValueError(f"eval.every_checkpoints {cfg.eval.every_checkpoints}: checkpoints are evaluated on Ray "
-                         f"Train's validation workers, which {launcher} does not have; unset it and run `eft eval` "
-                         f"on the checkpoints")
     if cfg.training.objective == "grpo" and cfg.rl.rollout == "actors":
         raise ValueError(f"rl.rollout actors: the rollout pool runs on Ray, which {launcher} does not start; "
                          f"use rl.rollout: colocated")

@@ -35,7 +35,7 @@ from app.elastic.grow import GrowRequests, build_grow_requests
 from app.elastic.preemption import PreemptionWatcher, build_preemption_watcher, state_bytes
 from app.elastic.resume import build_lineage
 from app.elastic.signals import SignalStop, build_signal_stop
-from app.eval.during import should_validate
+from app.eval.during import should_validate, validate_in_process
 from app.lease import Fence
 from app.model.build import build_model, count_parameters, resolve_precision, trainable_parameters
 from app.model.dropout import apply_row_dropout
@@ -48,7 +48,7 @@ from app.observe.metrics import MetricsLog, StepTimer, format_progress, peak_mem
 from app.observe.nccl import NcclProbe
 from app.observe.records import record_weights_loaded
 from app.observe.sinks import MlflowSink, TensorBoardSink, flatten
-from app.storage import Store
+from app.storage import Store, join
 from app.train.objective import build_objective, summarize
 
 log = logging.getLogger("eft.train")
@@ -263,6 +263,7 @@ class Worker:
     recorders: Recorders
     fence: Optional[Fence] = None  # the run lease's epoch this group was started with
     launcher: str = "ray"  # or "torchrun": Ray Train's local mode, no Ray cluster (app/train/torchrun.py)
+    mlflow: Optional[dict] = None  # the driver's MLflow settings (rank 0 only)
     watchers: Watchers = field(default_factory=Watchers)
     progress: Progress = field(default_factory=Progress)
 
@@ -304,7 +305,7 @@ def setup(config: dict) -> Worker:
         data.rollouts = build_rollouts(cfg, store, data.manifest, rank, world, device, model.autocast_dtype)
     return Worker(cfg=cfg, rank=rank, world=world, nodes=max(world // ctx.get_local_world_size(), 1), device=device,
                   store=store, data=data, model=model, recorders=Recorders(marks=marks, nccl_probe=nccl_probe),
-                  fence=fence, launcher=launcher)
+                  fence=fence, launcher=launcher, mlflow=config.get("mlflow"))
 
 
 def adopt_rank_zero_config(config: dict) -> dict:
@@ -639,10 +640,18 @@ def maybe_checkpoint(w: Worker) -> None:
             w.fence.check(w.store)
         # Lines first: a checkpoint never exists without the metrics up to its step.
         rec.metrics.flush()
+        validate = should_validate(cfg, step, periodic, last)
         ckpt.save(cfg, w.store, w.model.module, w.model.optimizer, step=step, rows_consumed=p.rows_consumed,
                   world_size=w.world, metrics=rec.metrics.latest(), rank=w.rank, lineage=w.data.lineage,
-                  wait_for_upload=wait_for_upload, fence=w.fence, validate=should_validate(cfg, step, periodic, last),
+                  wait_for_upload=wait_for_upload, fence=w.fence, validate=validate and w.launcher == "ray",
                   direct=w.launcher == "torchrun")
+    if validate and w.launcher == "torchrun" and w.rank == 0:
+        # No Ray, so no validation task: rank 0 scores the committed checkpoint itself, between
+        # steps, while the other ranks wait at the next step's first collective.
+        # The score joins the run's metrics from <run>/eval/, as under Ray (app/report.py); the
+        # steps are blocked meanwhile, so its time counts as the checkpoint's.
+        with rec.timer.phase("checkpoint"):
+            validate_in_process(cfg, join(cfg.run_uri, ckpt.checkpoint_dir_name(step)), w.mlflow)
     if watch.preemption is not None:
         watch.preemption.record_save(time.monotonic() - began, uploaded=wait_for_upload)
     rec.heartbeat.beat(step, force=True)

@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("config", help="job YAML")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config value, e.g. --set training.max_steps=200")
+    parser.add_argument("--wait-timeout-s", type=float, default=None, metavar="S",
+                        help="rank 0 waits up to S seconds for a run lease another driver holds (a restarted "
+                             "group whose last rank 0 was killed), instead of refusing at once")
     return parser
 
 
@@ -51,11 +54,11 @@ def sized_for(cfg, world_size: int):
     return JobConfig.model_validate(tree)
 
 
-def run_rank(cfg, rank: int) -> None:
+def run_rank(cfg, rank: int, wait_s: float | None = None) -> None:
     from app.train.launch import build_local_trainer, run_training
 
     if rank == 0:
-        summary = run_training(cfg, launcher="torchrun")
+        summary = run_training(cfg, wait_s=wait_s, launcher="torchrun")
         log.info("%s: %s, %d steps, final train loss %s; %s/summary.json", cfg.name, summary["status"],
                  summary["steps"], summary["final_train_loss"], cfg.run_uri)
     else:
@@ -79,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # Every rank reads the config: a bad one is the same line from each, before any rendezvous.
         cfg = sized_for(load_config(args.config, args.set), int(os.environ["WORLD_SIZE"]))
-        run_rank(cfg, rank)
+        run_rank(cfg, rank, args.wait_timeout_s)
     except ConfigError as err:
         print(f"eft: error: {err}", file=sys.stderr)
         return EXIT_USAGE
