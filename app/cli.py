@@ -474,7 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "serve.yaml and a vllm-serve.sh; the serve section of the config sizes it")
     p.add_argument("--export", default=None, metavar="URI",
                    help="with --serve: the export to serve (default: the run's latest)")
-    p.add_argument("--kubeflow", default=None, choices=None, metavar="trainjob|pytorchjob",
+    p.add_argument("--kubeflow", default=None, metavar="trainjob|pytorchjob",
                    help="render the run under torchrun for Kubeflow instead of KubeRay: a TrainJob (Kubeflow "
                         "Trainer v2) on a TrainingRuntime of its own, or an elastic PyTorchJob (Training Operator v1)")
     p.add_argument("--out", default=None, help="directory to write configmap/rayjob/raycluster YAML to")

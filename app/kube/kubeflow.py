@@ -26,9 +26,9 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from app.config import ConfigError, JobConfig, dump_config
+from app.config import ConfigError, JobConfig
 from app.kube.render import (CONFIG_MOUNT, KUEUE_QUEUE_LABEL, ONE_DAY_S, RUN_LABEL, Overlay, Placement,
-                             build_kube_name, build_labels, build_service_account, build_worker_template,
+                             build_config_map, build_kube_name, build_labels, build_service_account, build_worker_template,
                              check_image, lease_wait_s, plan_placement, resolve_node_type, resolve_overlay)
 
 KUBEFLOW_KINDS = ("trainjob", "pytorchjob")
@@ -56,8 +56,9 @@ def build_torchrun_command(cfg: JobConfig, overlay: Overlay) -> list[str]:
 
 
 def build_torch_pod(cfg: JobConfig, overlay: Overlay, image: str, place: Placement, container: str) -> dict:
-    pod = build_worker_template(cfg, overlay, image, place, name=build_kube_name(cfg),
-                                config_map=f"{build_kube_name(cfg)}-config", container_name=container, drain=False)
+    name = build_kube_name(cfg)
+    pod = build_worker_template(cfg, overlay, image, place, name=name, config_map=f"{name}-config",
+                                container_name=container, drain=False)
     main = pod["spec"]["containers"][0]
     main["command"] = build_torchrun_command(cfg, overlay)
     # torchrun sets OMP_NUM_THREADS=1 for several ranks a node; each rank's share of the pod's CPUs.
@@ -141,9 +142,7 @@ def build_kubeflow_manifests(cfg: JobConfig, kind: str, overlay_name: Optional[s
         raise ConfigError("rl.rollout: actors needs a Ray cluster; under Kubeflow (torchrun) use rl.rollout: colocated")
     place = plan_placement(cfg, resolve_node_type(cfg, overlay, node_type))
     name = build_kube_name(cfg)
-    manifests = {"configmap.yaml": {"apiVersion": "v1", "kind": "ConfigMap",
-                                    "metadata": {"name": f"{name}-config", "labels": build_labels(name)},
-                                    "data": {"job.yaml": dump_config(cfg)}}}
+    manifests = {"configmap.yaml": build_config_map(cfg, name)}
     if kind == "trainjob":
         runtime = build_training_runtime(cfg, overlay, image, place, place.max_replicas)
         manifests["trainingruntime.yaml"] = runtime

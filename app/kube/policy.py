@@ -789,33 +789,30 @@ def check_path(target: str | Path, crd_dir: str | Path | None = None) -> tuple[i
     return len(docs), out
 
 
-def render_checked(cfg: JobConfig, overlay: Optional[str], image: Optional[str], node_type: Optional[str],
-                   crd_dir: str | Path | None = None) -> tuple[dict[str, dict], list[Violation]]:
-    """build_manifests, refusing to hand out anything the validator rejects; (manifests, warnings)."""
-    manifests = build_manifests(cfg, overlay, image, node_type)
+def refuse_unchecked(manifests: dict[str, dict], crd_dir: str | Path | None) -> tuple[dict[str, dict], list[Violation]]:
+    """(manifests, warnings), or ValueError naming the first error: nothing the validator rejects is handed out."""
     problems = check_documents(list(manifests.items()), load_schemas(crd_dir))
     if errors := errors_of(problems):
         raise ValueError(f"rendered manifests fail validation: {errors[0]}")
     return manifests, problems
+
+
+def render_checked(cfg: JobConfig, overlay: Optional[str], image: Optional[str], node_type: Optional[str],
+                   crd_dir: str | Path | None = None) -> tuple[dict[str, dict], list[Violation]]:
+    """build_manifests, refusing to hand out anything the validator rejects; (manifests, warnings)."""
+    return refuse_unchecked(build_manifests(cfg, overlay, image, node_type), crd_dir)
 
 
 def render_kubeflow_checked(cfg: JobConfig, kind: str, overlay: Optional[str], image: Optional[str],
                             node_type: Optional[str], crd_dir: str | Path | None = None
                             ) -> tuple[dict[str, dict], list[Violation]]:
     """build_kubeflow_manifests, refusing to hand out anything the validator rejects; (manifests, warnings)."""
-    manifests = build_kubeflow_manifests(cfg, kind, overlay, image, node_type)
-    problems = check_documents(list(manifests.items()), load_schemas(crd_dir))
-    if errors := errors_of(problems):
-        raise ValueError(f"rendered manifests fail validation: {errors[0]}")
-    return manifests, problems
+    return refuse_unchecked(build_kubeflow_manifests(cfg, kind, overlay, image, node_type), crd_dir)
 
 
 def render_service_checked(cfg: JobConfig, serve_app: dict, gpus_per_replica: int, overlay: Optional[str],
                            image: Optional[str], node_type: Optional[str] = None, crd_dir: str | Path | None = None,
                            annotations: Optional[dict] = None) -> tuple[dict[str, dict], list[Violation]]:
     """build_service_manifests, refusing to hand out anything the validator rejects; (manifests, warnings)."""
-    manifests = build_service_manifests(cfg, serve_app, gpus_per_replica, overlay, image, node_type, annotations)
-    problems = check_documents(list(manifests.items()), load_schemas(crd_dir))
-    if errors := errors_of(problems):
-        raise ValueError(f"rendered manifests fail validation: {errors[0]}")
-    return manifests, problems
+    return refuse_unchecked(build_service_manifests(cfg, serve_app, gpus_per_replica, overlay, image, node_type,
+                                                    annotations), crd_dir)

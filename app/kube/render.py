@@ -442,6 +442,12 @@ def build_head_disruption_budget(name: str) -> dict:
                      "selector": {"matchLabels": {RUN_LABEL: name, "ray.io/node-type": "head"}}}}
 
 
+def build_config_map(cfg: JobConfig, name: str) -> dict:
+    """The resolved job.yaml that every pod of the run mounts at CONFIG_MOUNT."""
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{name}-config", "labels": build_labels(name)},
+            "data": {"job.yaml": dump_config(cfg)}}
+
+
 def build_service_account(name: str, overlay: Overlay) -> dict:
     # No token for whoever uses it, by default; the head mounts one into the autoscaler only.
     return {"apiVersion": "v1", "kind": "ServiceAccount",
@@ -461,9 +467,7 @@ def build_manifests(cfg: JobConfig, overlay_name: Optional[str], image: Optional
     name = build_kube_name(cfg)
     labels = build_labels(name)
     annotations = {"eft/run-uri": cfg.run_uri}
-    config_map = {"apiVersion": "v1", "kind": "ConfigMap",
-                  "metadata": {"name": f"{name}-config", "labels": labels},
-                  "data": {"job.yaml": dump_config(cfg)}}
+    config_map = build_config_map(cfg, name)
     job_labels = dict(labels, **({KUEUE_QUEUE_LABEL: overlay.queue} if overlay.queue else {}))
     job_spec = {
         # A retry may start while the last attempt's driver is still alive, or dead with its run
