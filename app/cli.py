@@ -211,8 +211,7 @@ def cmd_serve(args) -> int:
         print(f"# detached: the Serve application {handle.app_name!r} keeps running on the cluster "
               f"(`serve shutdown` stops it)")
         return 0
-    print("# serving until Ctrl-C", flush=True)
-    handle.wait()
+    handle.wait(on_waiting=lambda: print("# serving until Ctrl-C", flush=True))
     return 0
 
 

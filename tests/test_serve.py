@@ -382,8 +382,8 @@ class Handle(ServeHandle):
     def stop(self):
         print("stopped", flush=True)
 
-print("waiting", flush=True)
-Handle(url="http://127.0.0.1:1/v1", model="m", app_name="eft", engine="transformers", started_ray=False).wait()
+Handle(url="http://127.0.0.1:1/v1", model="m", app_name="eft", engine="transformers",
+       started_ray=False).wait(on_waiting=lambda: print("waiting", flush=True))
 """
 
 

@@ -26,7 +26,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from app.cluster import find_free_port
 from app.serve.auth import check_bind, check_proxy_address, warn_token_in_clear
@@ -73,12 +73,16 @@ class ServeHandle:
 
                 ray.shutdown()
 
-    def wait(self) -> None:
+    def wait(self, on_waiting: Optional[Callable[[], None]] = None) -> None:
         """Block until Ctrl-C (SIGINT) or SIGTERM, then stop. Both are set here, not inherited: a
         process started in the background by a non-interactive shell (`eft serve … &` in a script,
-        or under a CI runner) inherits SIGINT ignored, and would otherwise never stop on it."""
+        or under a CI runner) inherits SIGINT ignored, and would otherwise never stop on it.
+        `on_waiting` runs once the handlers are set, so whoever reacts to what it says (a script
+        that waits for the line, then signals) cannot signal into the window before them."""
         previous = {sig: signal.signal(sig, raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
+            if on_waiting is not None:
+                on_waiting()
             while True:
                 time.sleep(3600)
         except KeyboardInterrupt:
