@@ -141,18 +141,21 @@ def cmd_eval(args) -> int:
     from app.config import ConfigError
 
     if cfg.eval is None:
-        raise ConfigError(f"{args.config}: eval: section missing (eval.uri names the eval set)")
+        raise ConfigError(f"{args.config}: eval: section missing (eval.uri, eval.sets or eval.harness names "
+                          f"what to score)")
     from rich.console import Console
 
-    from app.eval.results import load_results
+    from app.eval.results import load_results, load_summaries
     from app.eval.run import run_eval
     from app.report import render_eval
     from app.storage import Store
 
+    sets = None if args.sets is None else [] if args.sets == "none" else [n for n in args.sets.split(",") if n]
     store = Store.from_config(cfg.storage)
-    results = run_eval(cfg, store, checkpoint=args.checkpoint, limit=args.limit)
-    others = [r for r in load_results(store, cfg.run_uri) if r["label"] != results["label"]]
-    Console(highlight=False).print(render_eval(results, others))
+    summary = run_eval(cfg, store, checkpoint=args.checkpoint, limit=args.limit, sets=sets,
+                       harness=not args.no_harness)
+    harness = [s for s in load_summaries(store, cfg.run_uri) if s.get("harness")]
+    Console(highlight=False).print(render_eval(summary, load_results(store, cfg.run_uri), harness))
     return 0
 
 
@@ -324,6 +327,10 @@ def cmd_status(args) -> int:
         print(json.dumps(status, indent=2))
     else:
         Console().print(render_status(status))
+        if status.get("eval") and status["eval"]["grid"]["rows"]:
+            from app.report import build_grid_table
+
+            Console().print(build_grid_table(status["eval"]["grid"]))
     return 0
 
 
@@ -410,11 +417,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", default=None, help="checkpoint URI (default: latest complete)")
     p.add_argument("--merge", action="store_true", help="also write the merged full model")
     p.set_defaults(fn=cmd_export)
-    p = with_config(sub.add_parser("eval", help="score a checkpoint, an export or the base on eval.uri"))
+    p = with_config(sub.add_parser("eval", help="score a checkpoint, an export or the base on the eval sets "
+                                                "and lm-eval harness tasks"))
     p.add_argument("--checkpoint", default="latest", metavar="latest|base|STEP|URI",
                    help="what to score: the latest complete checkpoint (default), the base model, the "
                         "checkpoint of a step, or a checkpoint / export / model URI")
     p.add_argument("--limit", type=positive_int, default=None, metavar="N", help="score the first N records only")
+    p.add_argument("--sets", default=None, metavar="A,B|none",
+                   help="score only these sets of eval.sets (eval.uri is `default`); `none`: no set (default: all)")
+    p.add_argument("--no-harness", action="store_true", help="skip eval.harness's lm-eval tasks")
     p.set_defaults(fn=cmd_eval)
     p = sub.add_parser("model", help="mirror a hub model to storage (pull), or list the mirrors (ls)")
     p.add_argument("action", choices=["pull", "ls"])

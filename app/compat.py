@@ -28,6 +28,7 @@ CHECKED_RANGES = {
     "ray": ("2.60", "2.61"),
     "torch": ("2.13", "2.14"),
     "transformers": ("5.0", "6.0"),
+    "wandb": ("0.31", "0.32"),
 }
 
 
@@ -456,3 +457,20 @@ def serve_http_address() -> Optional[tuple[str, int]]:
         return None
     options = ServeInstanceDetails(**client.get_serve_details()).http_options
     return options.host, options.port
+
+
+# -- Weights & Biases -------------------------------------------------------------------------
+
+
+@shim("wandb", "wandb.Settings' experimental x_primary, x_label, x_update_finish_state and x_sync_dir_suffix",
+      "W&B's shared mode for distributed writers (docs: 'Log distributed training experiments', mode='shared' "
+      "with x_primary / x_label), which has no public settings of its own yet", "wandb 0.31.0")
+def set_wandb_writer(run_settings, primary: bool, shared: bool) -> None:
+    """Mark a W&B run's settings as its primary writer (rank 0) or a second one (the eval task):
+    a second writer never marks the run finished, and offline it writes a run directory of its own."""
+    run_settings.x_label = "train" if primary else "eval"
+    if shared:
+        run_settings.x_primary = primary
+    if not primary:
+        run_settings.x_update_finish_state = False
+        run_settings.x_sync_dir_suffix = "eval"

@@ -13,7 +13,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from app.batch import BatchPlan
 
@@ -549,15 +549,79 @@ GENERATION_METRICS = ("exact_match", "contains", "regex")
 CHOICE_METRICS = ("acc", "acc_norm")
 
 
-class EvalConfig(_Strict):
-    """`eft eval` and evaluation on checkpoints while training: a task score, not a loss."""
+SET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+DEFAULT_SET = "default"
+HARNESS_DIR = "harness"  # <run>/eval/<label>/harness/: lm-eval's results, never a set's name
+# The keys a named set may set for itself; the rest (the engine, the pool) are the eval section's.
+SET_KEYS = ("uri", "metric", "normalize", "answer_regex", "batch_size", "max_new_tokens", "temperature", "seed",
+            "max_bad_records")
+
+
+class EvalSetConfig(_Strict):
+    """One named set of `eval.sets`. A key left out takes the `eval` section's value, so shared
+    decoding settings are written once."""
 
     uri: str
-    """The eval set: a JSONL or Parquet file (or a prefix of them, read in name order). Generation
-    records hold `prompt` (a string) or `messages` (a conversation to answer) and `answer` (a string
-    or a list of accepted strings); multiple-choice records hold `prompt` or `messages`, `choices`
-    (strings) and `answer` (the right choice's index). Prompts render exactly as training rendered
-    them (docs/eval.md)."""
+    """The set's JSONL or Parquet file (or a prefix of them), as `eval.uri`."""
+    metric: Optional[Literal["exact_match", "contains", "regex", "acc", "acc_norm"]] = None
+    """As `eval.metric`, for this set."""
+    normalize: Optional[bool] = None
+    """As `eval.normalize`, for this set."""
+    answer_regex: Optional[str] = None
+    """As `eval.answer_regex`, for this set."""
+    batch_size: Optional[int] = Field(None, gt=0)
+    """As `eval.batch_size`, for this set."""
+    max_new_tokens: Optional[int] = Field(None, gt=0)
+    """As `eval.max_new_tokens`, for this set."""
+    temperature: Optional[float] = Field(None, ge=0)
+    """As `eval.temperature`, for this set."""
+    seed: Optional[int] = Field(None, ge=0)
+    """As `eval.seed`, for this set."""
+    max_bad_records: Optional[int] = Field(None, ge=0)
+    """As `eval.max_bad_records`, for this set."""
+
+
+class HarnessConfig(_Strict):
+    """lm-evaluation-harness tasks (the `eft[harness]` extra), scored by eft's own model on the
+    eval actor pool; results in `<run>/eval/<label>/harness/` as lm-eval writes them."""
+
+    tasks: list[str] = Field(min_length=1)
+    """lm-eval task (or group) names, e.g. `arc_easy`, `hellaswag`, `gsm8k`, or tasks of `include_path`."""
+    num_fewshot: Optional[int] = Field(None, ge=0)
+    """Few-shot examples per prompt; default each task's own."""
+    limit: Optional[int] = Field(None, gt=0)
+    """Score only the first N documents of each task (a quick look, not a benchmark number)."""
+    include_path: Optional[str] = None
+    """A local directory of task YAMLs (lm-eval's `--include_path`); a task's data may be local files
+    (`dataset_path: json` with `dataset_kwargs.data_files`)."""
+    apply_chat_template: bool = False
+    """Render each request through the model's chat template (the one training used), as lm-eval's
+    `--apply_chat_template` does; off by default, as the tasks' published numbers are."""
+    batch_size: int = Field(8, gt=0)
+    """Requests per forward or generation batch on an actor."""
+    max_length: int = Field(2048, gt=0)
+    """Context length in tokens: longer requests keep their last tokens, as lm-eval's HF model does."""
+    max_gen_toks: int = Field(256, gt=0)
+    """`generate_until` requests stop here unless the task sets its own."""
+    seed: int = Field(0, ge=0)
+    """lm-eval's random, numpy and few-shot sampling seeds."""
+
+
+class EvalConfig(_Strict):
+    """`eft eval` and evaluation on checkpoints while training: task scores, not a loss. One set
+    (`uri`), named sets (`sets`), lm-evaluation-harness tasks (`harness`), or any of them together."""
+
+    uri: Optional[str] = None
+    """The eval set named `default` (shorthand for `sets: {default: {uri: ...}}`): a JSONL or Parquet
+    file (or a prefix of them, read in name order). Generation records hold `prompt` (a string) or
+    `messages` (a conversation to answer) and `answer` (a string or a list of accepted strings);
+    multiple-choice records hold `prompt` or `messages`, `choices` (strings) and `answer` (the right
+    choice's index). Prompts render exactly as training rendered them (docs/eval.md)."""
+    sets: dict[str, EvalSetConfig] = Field(default_factory=dict)
+    """Named eval sets, each scored into `<run>/eval/<label>/<name>/`; their unset keys take this
+    section's values. Names: letters, digits, `_` and `-`."""
+    harness: Optional[HarnessConfig] = None
+    """lm-evaluation-harness tasks `eft eval` scores besides the sets (not during training)."""
     metric: Optional[Literal["exact_match", "contains", "regex", "acc", "acc_norm"]] = None
     """`exact_match`, `contains` or `regex` for a generation set; `acc` or `acc_norm` (log-likelihood
     per character) for a multiple-choice set. Default: `exact_match` or `acc`, by the records."""
@@ -567,8 +631,8 @@ class EvalConfig(_Strict):
     """`metric: regex`: a Python regex that extracts the answer from the generation (its first group,
     or the whole match without groups) before the exact-match comparison."""
     num_actors: int = Field(1, gt=0)
-    """Ray Data actors scoring the set, each holding the model once (one GPU each when
-    `scaling.use_gpu`). The predictions are the same at any number."""
+    """Ray Data actors scoring the sets and harness requests, each holding the model once (one GPU
+    each when `scaling.use_gpu`). The predictions are the same at any number."""
     cpus_per_actor: float = Field(1.0, gt=0)
     """CPUs each actor (and the evaluation task during training) reserves."""
     batch_size: int = Field(8, gt=0)
@@ -584,9 +648,11 @@ class EvalConfig(_Strict):
     and counted, each named with its line; more than this many is a one-line error."""
     every_checkpoints: int = Field(0, ge=0)
     """While training: score every Nth periodic checkpoint (and the last) in a Ray task of its own,
-    through Ray Train's validation hook, off the steps' path; 0 = off. The score lands in the run's
-    metrics as `eval_<metric>` at the checkpoint's step. Under torchrun (no Ray) rank 0 scores it
-    in its own process between steps, and the other ranks wait for it."""
+    through Ray Train's validation hook, off the steps' path; 0 = off. Each set's score lands in the
+    run's metrics as `eval_<set>_<metric>` at the checkpoint's step. Under torchrun (no Ray) rank 0
+    scores it in its own process between steps, and the other ranks wait for it."""
+    every_checkpoints_sets: Optional[list[str]] = None
+    """While training: the sets scored on checkpoints; default all of them."""
     timeout_s: Optional[float] = Field(None, gt=0)
     """While training: give up on one checkpoint's evaluation after this long (a warning)."""
     engine: Literal["auto", "transformers", "vllm"] = "auto"
@@ -594,16 +660,52 @@ class EvalConfig(_Strict):
     extra); `auto`: vllm on GPU workers when it is installed, else transformers."""
 
     @model_validator(mode="after")
-    def _regex(self) -> "EvalConfig":
-        """`metric: regex` needs `answer_regex`, and the regex compiles."""
-        if self.metric == "regex" and not self.answer_regex:
-            raise ValueError("eval.metric regex needs eval.answer_regex (the regex that extracts the answer)")
-        if self.answer_regex is not None:
-            try:
-                re.compile(self.answer_regex)
-            except re.error as err:
-                raise ValueError(f"eval.answer_regex {self.answer_regex!r} is not a valid regex ({err})") from None
+    def _sets(self) -> "EvalConfig":
+        """Something to score; set names that are unique and can name a directory; every set's regex
+        settings hold; `every_checkpoints_sets` names sets that exist."""
+        for name in self.sets:
+            if not SET_NAME.match(name) or name == HARNESS_DIR:
+                raise ValueError(f"eval.sets.{name}: a set name is letters, digits, _ and - (at most 64), "
+                                 f"and not {HARNESS_DIR!r}")
+        if self.uri is not None and DEFAULT_SET in self.sets:
+            raise ValueError(f"eval.sets.{DEFAULT_SET}: the set name {DEFAULT_SET} is used twice (eval.uri is the "
+                             f"set named {DEFAULT_SET}): drop eval.uri or rename the set")
+        if self.uri is None and not self.sets and self.harness is None:
+            raise ValueError("eval: nothing to score (set eval.uri, eval.sets or eval.harness)")
+        for name, spec in self.named_sets().items():
+            where = "eval" if name == DEFAULT_SET and self.uri is not None else f"eval.sets.{name}"
+            if spec.metric == "regex" and not spec.answer_regex:
+                raise ValueError(f"{where}.metric regex needs {where}.answer_regex (the regex that extracts the answer)")
+            if spec.answer_regex is not None:
+                try:
+                    re.compile(spec.answer_regex)
+                except re.error as err:
+                    raise ValueError(f"{where}.answer_regex {spec.answer_regex!r} is not a valid regex ({err})") from None
+        for name in self.every_checkpoints_sets or []:
+            if name not in self.named_sets():
+                raise ValueError(f"eval.every_checkpoints_sets: {name!r} is not a set (sets: "
+                                 f"{', '.join(self.named_sets()) or 'none'})")
         return self
+
+    def named_sets(self) -> dict[str, "EvalConfig"]:
+        """Every set by name, each as an EvalConfig of its own (its keys over this section's), so
+        one set's scoring reads `uri`, `metric`, ... as a single-set config always did."""
+        specs = {DEFAULT_SET: EvalSetConfig(uri=self.uri)} if self.uri is not None else {}
+        specs.update(self.sets)
+        out = {}
+        for name, spec in specs.items():
+            update = {k: v for k, v in spec.model_dump(include=set(SET_KEYS)).items() if v is not None}
+            one = self.model_copy(update={**update, "sets": {}, "harness": None})
+            one._key = "eval" if name == DEFAULT_SET and self.uri is not None else f"eval.sets.{name}"
+            out[name] = one
+        return out
+
+    def checkpoint_sets(self) -> list[str]:
+        """The sets scored on checkpoints while training."""
+        names = list(self.named_sets())
+        return names if self.every_checkpoints_sets is None else [n for n in names if n in self.every_checkpoints_sets]
+
+    _key: str = PrivateAttr("eval")
 
 
 class ServeConfig(_Strict):
@@ -903,12 +1005,28 @@ def build_config(tree: dict, source: str = "config") -> JobConfig:
         raise ConfigError(format_validation_error(err, source)) from None
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """YAML that refuses a key given twice in one mapping. PyYAML keeps the last silently, which
+    drops a whole eval set (or any section) written twice under one name without a word."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice in one mapping (line {key_node.start_mark.line + 1})",
+                    key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config(path: str | Path, overrides: Optional[list[str]] = None) -> JobConfig:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
     try:
-        tree = yaml.safe_load(path.read_text()) or {}
+        tree = yaml.load(path.read_text(), Loader=UniqueKeyLoader) or {}
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
     if not isinstance(tree, dict):

@@ -14,9 +14,10 @@ import math
 import time
 from typing import Optional
 
+from app.config import DEFAULT_SET
 from app.elastic import checkpoint as ckpt
 from app.elastic.resume import CONFIG_FILE, load_run_config
-from app.eval.results import load_predictions, load_results
+from app.eval.results import load_predictions, load_results, load_summaries
 from app.lease import describe_run_lease
 from app.observe import records
 from app.observe.metrics import format_duration, load_metrics
@@ -42,9 +43,10 @@ def load_run(store: Store, run_uri: str) -> dict:
     store.check_reachable(run_uri)
     config = load_run_config(store, run_uri)
     evals = load_results(store, run_uri)
+    harness = [s for s in load_summaries(store, run_uri) if s.get("harness")]
     metrics = merge_eval_metrics(load_metrics(store, run_uri), evals)
     events = records.load_events(store, run_uri)
-    if config is None and not metrics and not events and not evals:
+    if config is None and not metrics and not events and not evals and not harness:
         raise ValueError(f"{run_uri}: no run here (no {CONFIG_FILE}, metrics or events/)")
     has_summary = store.exists(join(run_uri, SUMMARY_FILE))
     return {
@@ -57,18 +59,20 @@ def load_run(store: Store, run_uri: str) -> dict:
         "summary": load_summary(store, run_uri) if has_summary else None,
         "lease": describe_run_lease(store, run_uri),
         "evals": evals,
+        "harness": harness,
     }
 
 
 def merge_eval_metrics(metrics: list[dict], evals: list[dict]) -> list[dict]:
-    """The evaluated checkpoints' scores as `eval_<metric>` (and its interval) on the metrics row of
-    their step; a step without a row (an eval of a step whose rows were void) gets a row of its own."""
+    """The evaluated checkpoints' scores as `eval_<set>_<metric>` (and its interval) on the metrics
+    row of their step; a step without a row (an eval of a step whose rows were void) gets a row of
+    its own."""
     by_step = {r.get("step"): r for r in metrics}
     extra = []
     for result in evals:
         if result.get("checkpoint", {}).get("kind") != "checkpoint" or result.get("step") is None:
             continue
-        key = f"eval_{result['metric']}"
+        key = f"eval_{result.get('set', DEFAULT_SET)}_{result['metric']}"
         row = by_step.get(result["step"])
         if row is None:
             row = {"step": result["step"]}
@@ -210,18 +214,78 @@ def build_status(run: dict, now: Optional[float] = None) -> dict:
         # Who holds the run now (the run lease), while a driver is live.
         "lease": run.get("lease"),
         "overlapping_attempts": build_overlaps(run["events"], run["heartbeats"]),
-        "eval": summarize_eval(run.get("evals") or []),
+        "eval": summarize_eval(run.get("evals") or [], run.get("harness") or []),
     }
 
 
-def summarize_eval(evals: list[dict]) -> Optional[dict]:
-    """The latest evaluation (highest step) and the base's, for status lines."""
-    if not evals:
+def summarize_eval(evals: list[dict], harness: Optional[list[dict]] = None) -> Optional[dict]:
+    """The latest evaluation (highest step) and the base's, per set, for status lines; and the grid
+    of every set and harness task × evaluated label."""
+    if not evals and not harness:
         return None
-    pick = lambda r: {k: r.get(k) for k in ("label", "metric", "score", "interval", "n", "step")}  # noqa: E731
-    tuned = [r for r in evals if r["label"] != "base"]
-    base = next((r for r in evals if r["label"] == "base"), None)
-    return {"latest": pick(tuned[-1]) if tuned else None, "base": pick(base) if base else None}
+    pick = lambda r: {k: r.get(k) for k in ("label", "set", "metric", "score", "interval", "n", "step")}  # noqa: E731
+    sets = {}
+    for name in dict.fromkeys(r.get("set", DEFAULT_SET) for r in evals):
+        ours = [r for r in evals if r.get("set", DEFAULT_SET) == name]
+        tuned = [r for r in ours if r["label"] != "base"]
+        base = next((r for r in ours if r["label"] == "base"), None)
+        sets[name] = {"latest": pick(tuned[-1]) if tuned else None, "base": pick(base) if base else None}
+    first = next(iter(sets.values()), {"latest": None, "base": None})
+    return {"latest": first["latest"], "base": first["base"], "sets": sets,
+            "grid": build_eval_grid(evals, harness or [])}
+
+
+def build_eval_grid(evals: list[dict], harness: list[dict]) -> dict:
+    """Rows: each set (its metric) and each harness task; columns: the evaluated labels in step
+    order; cells: the score with its 95% interval (sets) or lm-eval's standard error (tasks)."""
+    order = lambda item: (item[1] is not None, item[1] or 0, item[0].startswith("export"), item[0])  # noqa: E731
+    labels = [label for label, _ in sorted({(r["label"], r.get("step")) for r in evals}
+                                           | {(h["label"], h.get("step")) for h in harness}, key=order)]
+    rows = []
+    for name in dict.fromkeys(r.get("set", DEFAULT_SET) for r in evals):
+        ours = {r["label"]: r for r in evals if r.get("set", DEFAULT_SET) == name}
+        metric = next(iter(ours.values()))["metric"]
+        rows.append({"name": name, "kind": "set", "metric": metric,
+                     "cells": {label: {"score": r["score"], "interval": r["interval"], "n": r["n"]}
+                               for label, r in ours.items()}})
+    tasks = dict.fromkeys(task for h in harness for task in h["harness"])
+    for task in tasks:
+        cells = {h["label"]: h["harness"][task] for h in harness if task in h["harness"]}
+        rows.append({"name": task, "kind": "harness", "metric": next(iter(cells.values()))["metric"],
+                     "cells": {label: {"score": c["score"], "stderr": c.get("stderr"), "n": c.get("n")}
+                               for label, c in cells.items()}})
+    return {"labels": labels, "rows": rows}
+
+
+def format_grid_cell(cell: Optional[dict]) -> str:
+    if cell is None:
+        return "-"
+    if "interval" in cell:
+        return f"{cell['score']:.3f} ({cell['interval'][0]:.3f}-{cell['interval'][1]:.3f})"
+    stderr = cell.get("stderr")
+    return f"{cell['score']:.3f}" + (f" ± {stderr:.3f}" if stderr is not None else "")
+
+
+def build_grid_table(grid: dict, title: str = "eval: sets and harness tasks × checkpoints"):
+    """The grid as a rich Table: one row per set or task, one column per label."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    table.add_column("set / task")
+    table.add_column("metric")
+    for label in grid["labels"]:
+        table.add_column(label)
+    for row in grid["rows"]:
+        name = row["name"] if row["kind"] == "set" else f"{row['name']} (harness)"
+        table.add_row(name, row["metric"], *[format_grid_cell(row["cells"].get(label)) for label in grid["labels"]])
+    return table
+
+
+def render_grid_markdown(grid: dict) -> str:
+    return render_markdown_table(
+        ["set / task", "metric", *grid["labels"]],
+        [[row["name"] if row["kind"] == "set" else f"{row['name']} (harness)", row["metric"],
+          *[format_grid_cell(row["cells"].get(label)) for label in grid["labels"]]] for row in grid["rows"]])
 
 
 # -- present ------------------------------------------------------------------------
@@ -336,37 +400,49 @@ def format_score(result: dict) -> str:
 
 
 def format_eval_status(ev: dict) -> str:
-    parts = []
-    if ev["latest"]:
-        parts.append(f"{format_score(ev['latest'])} at {ev['latest']['label']}")
-    if ev["base"]:
-        parts.append(f"base {ev['base']['score']:.3f}")
-    return "; ".join(parts)
+    """One line per set: its latest score at its label, and the base's."""
+    lines = []
+    for name, one in ev.get("sets", {}).items():
+        parts = []
+        if one["latest"]:
+            parts.append(f"{format_score(one['latest'])} at {one['latest']['label']}")
+        if one["base"]:
+            parts.append(f"base {one['base']['score']:.3f}")
+        lines.append(f"{name}: " + "; ".join(parts))
+    tasks = [r for r in ev.get("grid", {}).get("rows", []) if r["kind"] == "harness"]
+    if tasks:
+        lines.append("harness: " + ", ".join(f"{r['name']} {r['metric']} "
+                                              f"{format_grid_cell(r['cells'][list(r['cells'])[-1]])}" for r in tasks))
+    return "\n".join(lines)
 
 
-def render_eval(results: dict, others: list[dict]):
-    """`eft eval`'s closing table: this score with its interval beside the run's other evaluations,
-    then three of its predictions."""
+def render_eval(summary: dict, evals: list[dict], harness: list[dict]):
+    """`eft eval`'s closing tables: every set and harness task × every evaluated label (this one's
+    column bold), then three predictions of each set scored now."""
     from rich.console import Group
     from rich.table import Table
 
-    scores = Table(title=f"eval of {results['run_uri']} on {results['eval_set']['uri']}")
-    for column in ("label", "step", "metric", "score", "95% interval", "n"):
-        scores.add_column(column)
-    for r in sorted([*others, results], key=lambda r: (r.get("step") is not None, r.get("step") or 0, r["label"])):
-        low, high = r["interval"]
-        style = "bold" if r is results else None
-        scores.add_row(r["label"], format_value(r.get("step")), r["metric"], f"{r['score']:.3f}",
-                       f"{low:.3f}-{high:.3f}", str(r["n"]), style=style)
-    examples = Table(title=f"{results['label']}: examples", show_lines=True)
-    for column in ("prompt", "prediction", "answer", "correct"):
-        examples.add_column(column, overflow="fold")
-    for ex in results.get("examples", []):
-        prompt = ex.get("prompt") or ex["messages"][-1]["content"]
-        prediction = ex["prediction"] if "choices" not in ex else ex["choices"][ex["prediction"]]
-        answer = ex["answer"] if "choices" not in ex else ex["choices"][ex["answer"]]
-        examples.add_row(prompt, repr(prediction), str(answer), "yes" if ex["correct"] else "no")
-    return Group(scores, examples)
+    grid = build_eval_grid(evals, harness)
+    table = build_grid_table(grid, title=f"eval of {summary['run_uri']}: {summary['label']} beside the run's others")
+    for column in table.columns:
+        if column.header == summary["label"]:
+            column.style = "bold"
+    parts = [table]
+    for name, results in (summary.get("results") or {}).items():
+        examples = Table(title=f"{results['label']}, set {name}: examples", show_lines=True)
+        for column in ("prompt", "prediction", "answer", "correct"):
+            examples.add_column(column, overflow="fold")
+        for ex in results.get("examples", []):
+            prompt = ex.get("prompt") or ex["messages"][-1]["content"]
+            prediction = ex["prediction"] if "choices" not in ex else ex["choices"][ex["prediction"]]
+            answer = ex["answer"] if "choices" not in ex else ex["choices"][ex["answer"]]
+            examples.add_row(prompt, repr(prediction), str(answer), "yes" if ex["correct"] else "no")
+        parts.append(examples)
+    for name, results in (summary.get("results") or {}).items():
+        low, high = results["interval"]
+        parts.append(f"{summary['label']}, set {name}: {results['metric']} {results['score']:.3f} "
+                     f"(95% interval {low:.3f}-{high:.3f}, n={results['n']})")
+    return Group(*parts)
 
 
 def render_status(status: dict):
@@ -518,16 +594,16 @@ def add_rl_rollout_panel(ax, metrics: list[dict]) -> None:
     ax.set_title("rollouts: time and length")
 
 
-def build_eval_figure(status: dict, evals: list[dict]):
-    """Task score vs step with its 95% interval; the base's score as a dashed line."""
+def build_eval_figure(status: dict, evals: list[dict], harness: Optional[list[dict]] = None):
+    """Each set's task score vs step with its 95% interval; each base score as a dashed line."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(10, 4.5), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    for metric in dict.fromkeys(r["metric"] for r in evals):
-        ours = [r for r in evals if r["metric"] == metric]
+    for name, metric in dict.fromkeys((r.get("set", DEFAULT_SET), r["metric"]) for r in evals):
+        ours = [r for r in evals if r.get("set", DEFAULT_SET) == name and r["metric"] == metric]
         base = next((r for r in ours if r["label"] == "base"), None)
         steps = [r for r in ours if r["label"] != "base" and r.get("step") is not None
                  and r.get("checkpoint", {}).get("kind") == "checkpoint"]
@@ -535,9 +611,27 @@ def build_eval_figure(status: dict, evals: list[dict]):
             x = [r["step"] for r in steps]
             y = [r["score"] for r in steps]
             err = [[r["score"] - r["interval"][0] for r in steps], [r["interval"][1] - r["score"] for r in steps]]
-            ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=f"{metric}, fine-tuned checkpoints")
+            line = ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=f"{name} {metric}, fine-tuned checkpoints")
+            color = line.lines[0].get_color()
+        else:
+            color = "gray"
         if base:
-            ax.axhline(base["score"], color="gray", linestyle="--", label=f"{metric}, base ({base['score']:.3f})")
+            ax.axhline(base["score"], color=color, linestyle="--", alpha=0.7,
+                       label=f"{name} {metric}, base ({base['score']:.3f})")
+    for task in dict.fromkeys(t for h in harness or [] for t in h["harness"]):
+        ours = [h for h in harness if task in h["harness"]]
+        base = next((h for h in ours if h["label"] == "base"), None)
+        steps = [h for h in ours if h["label"] != "base" and h.get("step") is not None]
+        color = "gray"
+        if steps:
+            cells = [h["harness"][task] for h in steps]
+            line = ax.errorbar([h["step"] for h in steps], [c["score"] for c in cells],
+                               yerr=[c.get("stderr") or 0.0 for c in cells], marker="s", capsize=3,
+                               label=f"{task} {cells[0]['metric']} (harness)")
+            color = line.lines[0].get_color()
+        if base:
+            ax.axhline(base["harness"][task]["score"], color=color, linestyle=":", alpha=0.7,
+                       label=f"{task} (harness), base ({base['harness'][task]['score']:.3f})")
     ax.set_ylim(-0.02, 1.02)
     ax.set_xlabel("step")
     ax.set_ylabel("score")
@@ -552,25 +646,30 @@ def render_eval_markdown(store: Store, run: dict, plot_name: str = EVAL_PLOT_FIL
                          max_columns: int = 5) -> str:
     """Each evaluation's score, then the same prompts answered by the base and the evaluated
     checkpoints side by side (the base and the last few)."""
-    evals = run["evals"]
-    rows = [[r["label"], r.get("step"), r["metric"], f"{r['score']:.3f}",
-             f"{r['interval'][0]:.3f}-{r['interval'][1]:.3f}", r["n"], r["eval_set"]["fingerprint"][:12]]
-            for r in evals]
-    parts = ["## Evaluation", "", render_markdown_table(
-        ["label", "step", "metric", "score", "95% interval", "n", "eval set"], rows), "",
-        f"![task score vs step]({plot_name})", ""]
+    parts = ["## Evaluation", "", render_grid_markdown(build_eval_grid(run["evals"], run.get("harness") or [])), "",
+             f"![task score vs step]({plot_name})", ""]
+    for name in dict.fromkeys(r.get("set", DEFAULT_SET) for r in run["evals"]):
+        parts += render_set_examples(store, run, name, [r for r in run["evals"] if r.get("set", DEFAULT_SET) == name],
+                                     examples, max_columns)
+    return "\n".join(parts) + "\n"
+
+
+def render_set_examples(store: Store, run: dict, set_name: str, evals: list[dict], examples: int,
+                        max_columns: int) -> list[str]:
+    """The same prompts of one set answered by the base and the last few evaluated labels."""
+    parts = []
     shown = ([r for r in evals if r["label"] == "base"] + [r for r in evals if r["label"] != "base"])[:1]
     shown += [r for r in evals if r["label"] != "base"][-(max_columns - len(shown)):]
     columns = {}
     for r in dict((r["label"], r) for r in shown).values():
         try:
-            columns[r["label"]] = {p["index"]: p for p in load_predictions(store, run["uri"], r["label"])}
+            columns[r["label"]] = {p["index"]: p for p in load_predictions(store, run["uri"], r["label"], set_name)}
         except (OSError, ValueError):
             continue
     if columns:
         first = next(iter(columns.values()))
         indexes = sorted(first)[:examples]
-        parts += ["### Examples: the same prompts, base vs fine-tuned", ""]
+        parts += [f"### Examples of set {set_name}: the same prompts, base vs fine-tuned", ""]
         table = []
         for i in indexes:
             p = first[i]
@@ -585,8 +684,8 @@ def render_eval_markdown(store: Store, run: dict, plot_name: str = EVAL_PLOT_FIL
                 shown_pred = q["prediction"] if "choices" not in q else q["choices"][q["prediction"]]
                 cells.append(f"{'✓' if q['correct'] else '✗'} {shown_pred}")
             table.append(cells)
-        parts.append(render_markdown_table(["prompt", "answer", *columns], table))
-    return "\n".join(parts) + "\n"
+        parts += [render_markdown_table(["prompt", "answer", *columns], table), ""]
+    return parts
 
 
 def render_png(fig) -> bytes:
@@ -596,7 +695,7 @@ def render_png(fig) -> bytes:
 
 
 def escape_cell(text) -> str:
-    return "-" if text is None else str(text).replace("|", "\\|").replace("\n", " ")
+    return "-" if text is None else str(text).replace("|", "\\|").replace("\n", "<br>")
 
 
 def render_markdown_table(header: list[str], rows: list[list]) -> str:
@@ -635,9 +734,9 @@ def save_report(store: Store, run: dict, out_uri: Optional[str] = None, now: Opt
     store.write_bytes(png_uri, render_png(build_loss_figure(run, status)))
     markdown = render_markdown(status, has_val)
     written = [png_uri, md_uri]
-    if run.get("evals"):
+    if run.get("evals") or run.get("harness"):
         eval_png = join(out_uri, EVAL_PLOT_FILE)
-        store.write_bytes(eval_png, render_png(build_eval_figure(status, run["evals"])))
+        store.write_bytes(eval_png, render_png(build_eval_figure(status, run["evals"], run.get("harness"))))
         markdown += "\n" + render_eval_markdown(store, run)
         written.insert(1, eval_png)
     store.write_text(md_uri, markdown)

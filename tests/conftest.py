@@ -216,10 +216,16 @@ def train_mlflow_uri(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def straight_run(train_dataset, train_mlflow_uri):
+def train_wandb_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("wandb")
+
+
+@pytest.fixture(scope="session")
+def straight_run(train_dataset, train_mlflow_uri, train_wandb_dir):
     """The reference run, trained once a session: 12 steps on 2 workers, uninterrupted (also logged
     to a file-store MLflow). tests/test_train.py reads it and compares other runs with it;
-    tests/test_trust.py, which runs after it, plants pickles in a copy and resumes it. Returns
+    tests/test_trust.py, which runs after it, plants pickles in a copy and resumes it. Also logged
+    to W&B, offline. Returns
     (config, summary, metrics)."""
     from train_runs import straight_config
 
@@ -228,12 +234,17 @@ def straight_run(train_dataset, train_mlflow_uri):
     from app.train.launch import run_training
 
     cfg = straight_config()
-    # MLflow 3 keeps its file store behind an opt-in; the runs here are throwaway.
-    os.environ.update(MLFLOW_TRACKING_URI=train_mlflow_uri, MLFLOW_ALLOW_FILE_STORE="true")
+    # MLflow 3 keeps its file store behind an opt-in; the runs here are throwaway. W&B offline:
+    # its transaction logs land in WANDB_DIR, where tests/test_train.py reads them back.
+    tracking = {"MLFLOW_TRACKING_URI": train_mlflow_uri, "MLFLOW_ALLOW_FILE_STORE": "true",
+                "WANDB_MODE": "offline", "WANDB_PROJECT": "eft-tests", "WANDB_DIR": str(train_wandb_dir),
+                "WANDB_DISABLE_GIT": "true", "WANDB_DISABLE_CODE": "true"}
+    os.environ.update(tracking)
     try:
         summary = run_training(cfg)
     finally:
-        del os.environ["MLFLOW_TRACKING_URI"], os.environ["MLFLOW_ALLOW_FILE_STORE"]
+        for key in tracking:
+            del os.environ[key]
     return cfg, summary, load_metrics(Store(), cfg.run_uri)
 
 

@@ -261,3 +261,15 @@ def test_session_dir_coordinator_and_drain_call_on_a_live_ray(ray_cluster):
     gcs = ray._raylet.GcsClient(address=ray.get_runtime_context().gcs_address)
     assert callable(gcs.drain_node)
     assert autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION") > 0
+
+
+def test_set_wandb_writer_marks_the_primary_and_a_second_writer():
+    import wandb
+
+    from app.compat import set_wandb_writer
+
+    first, second = wandb.Settings(), wandb.Settings()
+    set_wandb_writer(first, primary=True, shared=True)
+    set_wandb_writer(second, primary=False, shared=False)
+    assert (first.x_label, first.x_primary, first.x_update_finish_state) == ("train", True, True)
+    assert (second.x_label, second.x_update_finish_state, second.x_sync_dir_suffix) == ("eval", False, "eval")

@@ -66,6 +66,13 @@ def write_set(name: str, records: list, kind: str = "jsonl") -> str:
     return uri
 
 
+def score_one(cfg, store, **kwargs) -> dict:
+    """One set's results (the config's only set, `default`) of an evaluation."""
+    summary = run_eval(cfg, store, **kwargs)
+    (results,) = summary["results"].values()
+    return results
+
+
 def make_cfg(name: str, base_uri: str, eval_uri: str, fmt: str = "chat", **eval_keys):
     return build_config({
         "name": name, "model": {"uri": base_uri}, "data": {"uri": "s3://eft/data/unused"},
@@ -133,7 +140,7 @@ def test_generation_scores_the_merged_exports_own_greedy_answers(tuned_run, tmp_
     set_uri = write_set("generation", records)
     for metric, score in (("exact_match", 3 / 7), ("contains", 4 / 7)):
         cfg_m = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"uri": set_uri, "metric": metric})})
-        results = run_eval(cfg_m, store, checkpoint=exported["export_uri"], in_process=True)
+        results = score_one(cfg_m, store, checkpoint=exported["export_uri"], in_process=True)
         predictions = load_predictions(store, cfg.run_uri, results["label"])
         assert [p["prediction"] for p in predictions] == expected
         assert results["label"] == "export-step-000005" and results["step"] == 5
@@ -142,7 +149,7 @@ def test_generation_scores_the_merged_exports_own_greedy_answers(tuned_run, tmp_
         assert [p["correct"] for p in predictions][:3] == [True, metric == "contains", True]
         low, high = results["interval"]
         assert 0 <= low <= results["score"] <= high <= 1 and low < high
-    stored = store.read_json(join(cfg.run_uri, "eval", "export-step-000005", "results.json"))
+    stored = store.read_json(join(cfg.run_uri, "eval", "export-step-000005", "default", "results.json"))
     assert stored["eval_set"]["fingerprint"] == load_eval_set(store, cfg_m.eval).fingerprint
     assert stored["decoding"]["greedy"] and stored["decoding"]["max_new_tokens"] == 12
 
@@ -153,8 +160,8 @@ def test_a_checkpoint_scores_as_its_merged_export(tuned_run):
     store = Store()
     cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"uri": write_set(
         "few", [{"prompt": q, "answer": "x"} for q in QUESTIONS])})})
-    from_ckpt = run_eval(cfg, store, checkpoint="latest", in_process=True)
-    from_export = run_eval(cfg, store, checkpoint=exported["export_uri"], in_process=True)
+    from_ckpt = score_one(cfg, store, checkpoint="latest", in_process=True)
+    from_export = score_one(cfg, store, checkpoint=exported["export_uri"], in_process=True)
     assert from_ckpt["label"] == "step-000005"
     assert ([p["prediction"] for p in load_predictions(store, cfg.run_uri, "step-000005")]
             == [p["prediction"] for p in load_predictions(store, cfg.run_uri, "export-step-000005")])
@@ -183,7 +190,7 @@ def test_multiple_choice_log_likelihoods_equal_transformers_reference(tuned_run)
     records.append({"messages": [{"role": "user", "content": "Pick one."}], "choices": [" yes", " no"], "answer": 1})
     cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"uri": write_set("choices", records, "parquet"),
                                                                      "batch_size": 4})})
-    results = run_eval(cfg, store, checkpoint=exported["export_uri"], in_process=True)
+    results = score_one(cfg, store, checkpoint=exported["export_uri"], in_process=True)
     assert results["metric"] == "acc" and set(results["metrics"]) == {"acc", "acc_norm"}
     predictions = load_predictions(store, cfg.run_uri, results["label"])
 
@@ -211,11 +218,11 @@ def test_multiple_choice_gathers_on_the_device_and_only_the_sums_reach_the_host(
 
     from app.eval.engine import ScoreEval
 
-    scorer = ScoreEval(None, "us-east-1", {"kind": "base", "model_uri": chat_base},
-                       {"kind": "multiple_choice", "pad_id": 0}, use_gpu=False)
+    settings = {"kind": "multiple_choice", "pad_id": 0}
+    scorer = ScoreEval(None, "us-east-1", {"kind": "base", "model_uri": chat_base}, {"mc": settings}, use_gpu=False)
     vocab = scorer.model.config.vocab_size
-    rows = [{"index": 0, "input_ids": [5, 17, 30, 8], "choice_ids": [[40], [41, 42], [43, 44, 45]]},
-            {"index": 1, "input_ids": [9, 12], "choice_ids": [[60, 61, 62, 63], [70]]}]
+    rows = [{"uid": 0, "input_ids": [5, 17, 30, 8], "choice_ids": [[40], [41, 42], [43, 44, 45]]},
+            {"uid": 1, "input_ids": [9, 12], "choice_ids": [[60, 61, 62, 63], [70]]}]
     moved = []
     for name in ("cpu", "numpy", "tolist"):
         original = getattr(torch.Tensor, name)
@@ -225,7 +232,7 @@ def test_multiple_choice_gathers_on_the_device_and_only_the_sums_reach_the_host(
             return _original(self, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, name, recording)
-    out = scorer.score(rows)
+    out = scorer.score(rows, settings)
     monkeypatch.undo()
     assert moved and not [shape for shape in moved if shape and shape[-1] == vocab], moved
     model = AutoModelForCausalLM.from_pretrained(Store().cache_locally(chat_base), dtype=torch.float32).eval()
@@ -376,6 +383,86 @@ def test_eval_cli_config_errors_are_one_line(tmp_path, capsys):
     assert err.startswith("eft: error:") and "eval.metric" in err and "\n" not in err
 
 
+def test_bad_suite_configs_are_one_line_each(tmp_path, capsys):
+    """A set name used twice (eval.uri is `default`; or a YAML key given twice), a name that cannot
+    name a directory, an unknown set in every_checkpoints_sets or --sets: one line each, exit 2 or
+    1, before anything is read."""
+    from app.cli import main
+
+    head = ("name: x\nmodel: {uri: s3://eft/m}\ndata: {uri: s3://eft/d}\ntraining: {max_steps: 1}\n"
+            "storage: {root_uri: s3://eft/r}\n")
+    cases = {
+        "eval: {uri: s3://eft/e.jsonl, sets: {default: {uri: s3://eft/f.jsonl}}}\n":
+            "the set name default is used twice (eval.uri is the set named default)",
+        "eval:\n  sets:\n    qa: {uri: s3://eft/e.jsonl}\n    qa: {uri: s3://eft/f.jsonl}\n":
+            "key 'qa' is given twice in one mapping (line 9)",
+        "eval: {sets: {harness: {uri: s3://eft/e.jsonl}}}\n": "eval.sets.harness: a set name is letters",
+        "eval: {sets: {a/b: {uri: s3://eft/e.jsonl}}}\n": "eval.sets.a/b: a set name is letters",
+        "eval: {uri: s3://eft/e.jsonl, every_checkpoints_sets: [qa]}\n":
+            "eval.every_checkpoints_sets: 'qa' is not a set (sets: default)",
+        "eval: {sets: {qa: {uri: s3://eft/e.jsonl, metric: regex}}}\n":
+            "eval.sets.qa.metric regex needs eval.sets.qa.answer_regex",
+        "eval: {every_checkpoints: 1}\n": "eval: nothing to score (set eval.uri, eval.sets or eval.harness)",
+    }
+    path = tmp_path / "job.yaml"
+    for body, message in cases.items():
+        path.write_text(head + body)
+        assert main(["eval", str(path)]) == 2, body
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"eft: error: {path}") and message in err and "\n" not in err, (body, err)
+    path.write_text(head + "eval: {uri: s3://eft/e.jsonl, sets: {mc: {uri: s3://eft/f.jsonl}}}\n")
+    assert main(["eval", str(path), "--sets", "mc,qa"]) == 1
+    assert capsys.readouterr().err.strip() == ("eft: error: --sets mc,qa: 'qa' is not a set of eval "
+                                               "(sets: default, mc)")
+
+
+def test_named_sets_score_apart_and_together_alike(tuned_run):
+    """Two sets on one checkpoint, one after the other: the second leaves the first's predictions
+    and results as they were, and the label's summary lists both. Scored together (one pool, one
+    model) each set's predictions are those of its evaluation alone. A set's own keys override the
+    section's (batch size, tokens), the rest are shared."""
+    from app.eval.results import load_summaries
+
+    cfg, exported = tuned_run
+    store = Store()
+    gen = write_set("suite-gen", [{"prompt": q, "answer": "x"} for q in QUESTIONS[:5]])
+    mc = write_set("suite-mc", [{"prompt": q, "choices": [" a list", " a tuple", " None"], "answer": i % 3}
+                                for i, q in enumerate(QUESTIONS[:4])])
+    suites = cfg.model_copy(update={"name": "eval-suites"})
+    suites = build_config({**suites.model_dump(mode="json"), "eval": {
+        "max_new_tokens": 12, "batch_size": 3,
+        "sets": {"gen": {"uri": gen}, "mc": {"uri": mc, "batch_size": 2}}}})
+    run_uri = suites.run_uri
+    # The runs' directories differ: copy the checkpoint the label is scored from.
+    for name in store.list_files(join(cfg.run_uri, "checkpoint-00000005")):
+        store.write_bytes(join(run_uri, "checkpoint-00000005", name),
+                          store.read_bytes(join(cfg.run_uri, "checkpoint-00000005", name)))
+    label_dir = join(run_uri, "eval", "step-000005")
+
+    def files(set_name: str) -> dict:
+        return {n: store.read_bytes(join(label_dir, set_name, n)) for n in ("predictions.jsonl", "results.json")}
+
+    first = run_eval(suites, store, checkpoint="5", in_process=True, sets=["gen"])
+    assert list(first["results"]) == ["gen"] and list(first["sets"]) == ["gen"]
+    gen_alone = files("gen")
+    second = run_eval(suites, store, checkpoint="5", in_process=True, sets=["mc"])
+    assert files("gen") == gen_alone, "scoring one set rewrote another's"
+    assert sorted(second["sets"]) == ["gen", "mc"] and second["sets"]["gen"]["score"] == first["results"]["gen"]["score"]
+    assert second["results"]["mc"]["metric"] == "acc" and second["results"]["mc"]["decoding"]["batch_size"] == 2
+    assert first["results"]["gen"]["decoding"]["batch_size"] == 3
+    mc_alone = files("mc")
+    both = run_eval(suites, store, checkpoint="5", in_process=True)
+    assert sorted(both["results"]) == ["gen", "mc"]
+    for set_name, alone in (("gen", gen_alone), ("mc", mc_alone)):
+        assert files(set_name)["predictions.jsonl"] == alone["predictions.jsonl"], set_name
+        assert both["results"][set_name]["score"] == json.loads(alone["results.json"])["score"]
+    (summary,) = load_summaries(store, run_uri)
+    assert summary["label"] == "step-000005" and summary["step"] == 5
+    assert {k: (v["metric"], v["n"]) for k, v in summary["sets"].items()} == {"gen": ("exact_match", 5),
+                                                                              "mc": ("acc", 4)}
+    assert load_predictions(store, run_uri, "step-000005", "mc")[0]["choices"] == [" a list", " a tuple", " None"]
+
+
 # -- scoring -------------------------------------------------------------------------------------
 
 
@@ -429,20 +516,33 @@ def test_status_and_report_show_base_against_tuned(tuned_run):
     store = Store()
     cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"uri": write_set(
         "report", [{"prompt": q, "answer": "x"} for q in QUESTIONS[:4]])})})
-    run_eval(cfg, store, checkpoint="base", in_process=True)
-    run_eval(cfg, store, checkpoint="latest", in_process=True)
+    score_one(cfg, store, checkpoint="base", in_process=True)
+    score_one(cfg, store, checkpoint="latest", in_process=True)
     labels = [r["label"] for r in load_results(store, cfg.run_uri)]
     assert labels[0] == "base" and "step-000005" in labels
     run = load_run(store, cfg.run_uri)
     status = build_status(run)
     assert status["eval"]["base"]["label"] == "base"
     assert status["eval"]["latest"]["label"] in ("step-000005", "export-step-000005")
-    assert any("eval_exact_match" in row for row in run["metrics"] if row.get("step") == 5)
+    assert any("eval_default_exact_match" in row for row in run["metrics"] if row.get("step") == 5)
+    assert status["eval"]["grid"]["labels"][0] == "base" and status["eval"]["grid"]["rows"][0]["name"] == "default"
+    from rich.console import Console
+
+    from app.report import build_grid_table, build_status_rows
+
+    console = Console(record=True, width=200)
+    console.print(build_grid_table(status["eval"]["grid"]))
+    shown = console.export_text()
+    base = status["eval"]["sets"]["default"]["base"]
+    assert "set / task" in shown and "step-000005" in shown
+    assert f"{base['score']:.3f} ({base['interval'][0]:.3f}-{base['interval'][1]:.3f})" in shown
+    assert dict(build_status_rows(status))["eval"].startswith("default: exact_match ")
     written = save_report(store, run)
     assert join(cfg.run_uri, "report", "eval.png") in written
     markdown = store.read_text(join(cfg.run_uri, "report", "report.md"))
     assert "## Evaluation" in markdown and "| prompt | answer | base |" in markdown
-    assert QUESTIONS[0] in markdown
+    assert "| set / task | metric | base | step-000005 |" in markdown
+    assert "### Examples of set default" in markdown and QUESTIONS[0] in markdown
 
 
 def test_the_demo_task_holds_out_numbers_it_never_trains_on():

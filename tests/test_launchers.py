@@ -147,13 +147,13 @@ def test_a_run_loses_a_node_under_torchrun_then_moves_to_ray_and_back_on_the_ray
     assert (result["label"], result["step"], result["n"], result["num_actors"]) == ("step-000012", 12, 12, 1)
     assert result["checkpoint"]["kind"] == "checkpoint" and result["checkpoint"]["checkpoint_uri"].endswith(
         "checkpoint-00000012")
-    scored = {r["step"]: r["eval_exact_match"] for r in load_run(store, cfg.run_uri)["metrics"]
-              if "eval_exact_match" in r}
+    scored = {r["step"]: r["eval_default_exact_match"] for r in load_run(store, cfg.run_uri)["metrics"]
+              if "eval_default_exact_match" in r}
     assert scored == {12: result["score"]}
     store.download_dir(join(cfg.run_uri, "tensorboard"), tmp_path / "tb")
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
-    assert [e.step for e in events.Scalars("eval_exact_match")] == [12]
+    assert [e.step for e in events.Scalars("eval_default_exact_match")] == [12]
     assert summary["launchers"] == ["torchrun", "torchrun", "ray", "torchrun"] and summary["driver_restarts"] == 3
     assert summary["world_sizes"] == [2, 1, 3, 1] and summary["resumed_from_steps"] == [6, stop, stop + 2]
     metrics = load_metrics(store, cfg.run_uri)

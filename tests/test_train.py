@@ -172,34 +172,67 @@ def test_metrics_reach_tensorboard_and_mlflow(straight_run, mlflow_uri, tmp_path
     assert "aws_secret" not in str(run.data.params).lower()
 
 
-def test_checkpoints_are_scored_while_training_goes_on(straight_run, mlflow_uri, tmp_path, monkeypatch):
-    """eval.every_checkpoints 1: Ray Train's validation task scored each checkpoint (steps 6 and 12);
-    the scores are in the run's metrics at those steps, in TensorBoard and in MLflow."""
+def test_checkpoints_are_scored_while_training_goes_on(straight_run, mlflow_uri, train_wandb_dir, tmp_path,
+                                                      monkeypatch):
+    """eval.every_checkpoints 1 with two sets: Ray Train's validation task scored each checkpoint
+    (steps 6 and 12) on both; each set's score is in the run's metrics at those steps as
+    `eval_<set>_<metric>`, in TensorBoard, in MLflow and in W&B (offline, read back from its own
+    files: rank 0's run has every step's metrics and the config, the eval task's writes of the
+    same run id the scores and a table of predictions), and each label's summary lists both."""
     from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from app.eval.results import load_results
+    from app.eval.results import load_results, load_summaries
     from app.report import build_status, load_run
 
     cfg, _, _ = straight_run
     store = Store()
     results = load_results(store, cfg.run_uri)
-    assert [(r["label"], r["step"], r["n"]) for r in results] == [("step-000006", 6, 12), ("step-000012", 12, 12)]
+    assert [(r["label"], r["set"], r["step"], r["n"]) for r in results] == [
+        ("step-000006", "choices", 6, 6), ("step-000006", "default", 6, 12),
+        ("step-000012", "choices", 12, 6), ("step-000012", "default", 12, 12)]
     assert all(r["num_actors"] == 1 and r["checkpoint"]["kind"] == "checkpoint" for r in results)
+    summaries = load_summaries(store, cfg.run_uri)
+    assert [(s["label"], sorted(s["sets"])) for s in summaries] == [("step-000006", ["choices", "default"]),
+                                                                   ("step-000012", ["choices", "default"])]
     run = load_run(store, cfg.run_uri)
-    scored = {r["step"]: r["eval_exact_match"] for r in run["metrics"] if "eval_exact_match" in r}
-    assert scored == {r["step"]: r["score"] for r in results}
-    assert build_status(run)["eval"]["latest"]["label"] == "step-000012"
+    keys = {"default": "eval_default_exact_match", "choices": "eval_choices_acc"}
+    for name, key in keys.items():
+        scored = {r["step"]: r[key] for r in run["metrics"] if key in r}
+        assert scored == {r["step"]: r["score"] for r in results if r["set"] == name}
+    status = build_status(run)
+    assert status["eval"]["latest"]["label"] == "step-000012"
+    assert status["eval"]["sets"]["choices"]["latest"]["metric"] == "acc"
+    assert [row["name"] for row in status["eval"]["grid"]["rows"]] == ["choices", "default"]
 
     store.download_dir(join(cfg.run_uri, "tensorboard"), tmp_path / "tb")
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
-    assert sorted(e.step for e in events.Scalars("eval_exact_match")) == [6, 12]
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     client = MlflowClient(mlflow_uri)
     (mlrun,) = client.search_runs([client.get_experiment_by_name("eft").experiment_id],
                                   filter_string=f"tags.`eft.run_uri` = '{cfg.run_uri}'")
-    assert sorted(h.step for h in client.get_metric_history(mlrun.info.run_id, "eval_exact_match")) == [6, 12]
+    for name, key in keys.items():
+        expected = {r["step"]: r["score"] for r in results if r["set"] == name}
+        assert {e.step: e.value for e in events.Scalars(key)} == pytest.approx(expected)
+        assert {h.step: h.value for h in client.get_metric_history(mlrun.info.run_id, key)} == pytest.approx(expected)
+        assert sorted(e.step for e in events.Scalars(f"{key}_low")) == [6, 12]
+
+    from test_wandb import WandbRun
+
+    runs = [WandbRun(d) for d in sorted((train_wandb_dir / "wandb").glob("offline-run-*"))]
+    (train,) = [r for r in runs if not r.directory.name.endswith("-eval")]
+    evals = [r for r in runs if r.directory.name.endswith("-eval")]
+    assert len(evals) == 2 and {r.run_id for r in runs} == {train.run_id} and train.name == cfg.name
+    assert train.config["training"]["max_steps"] == 12
+    losses = {row["step"]: row["loss"] for row in train.rows() if "loss" in row}
+    assert losses == pytest.approx({m["step"]: m["loss"] for m in run["metrics"] if m.get("loss") is not None})
+    for name, key in keys.items():
+        expected = {r["step"]: r["score"] for r in results if r["set"] == name}
+        assert {row["step"]: row[key] for r in evals for row in r.rows() if key in row} == pytest.approx(expected)
+    tables = {key.rsplit("/", 1)[0]: row[key.rsplit("/", 1)[0] + "/nrows"] for r in evals for row in r.rows()
+              for key in row if key.endswith("/_type") and row[key] == "table-file"}
+    assert tables == {f"eval/{name}/step-{step:06d}": 3 for name in keys for step in (6, 12)}  # three examples
 
 
 def test_eft_eval_on_1_and_3_actors_one_lost_midway_gives_the_validation_tasks_predictions(
@@ -220,7 +253,7 @@ def test_eft_eval_on_1_and_3_actors_one_lost_midway_gives_the_validation_tasks_p
     store = Store()
     during = load_predictions(store, cfg.run_uri, "step-000012")
     assert len({p["prediction"] for p in during}) > 1
-    one = run_eval(cfg, store, checkpoint="12")
+    one = run_eval(cfg, store, checkpoint="12")["results"]["default"]
     assert one["num_actors"] == 1
     assert load_predictions(store, cfg.run_uri, "step-000012") == during
 
@@ -233,11 +266,12 @@ def test_eft_eval_on_1_and_3_actors_one_lost_midway_gives_the_validation_tasks_p
         assert main(["eval", str(path), "--checkpoint", "12", "--set", "eval.num_actors=3"]) == 0
     assert marker.exists()
     assert any("eval: an actor was lost (ActorDiedError)" in r.getMessage() for r in caplog.records)
-    results = store.read_json(join(cfg.run_uri, "eval", "step-000012", "results.json"))
+    results = store.read_json(join(cfg.run_uri, "eval", "step-000012", "default", "results.json"))
     assert results["num_actors"] == 3 and results["n"] == 12
     assert load_predictions(store, cfg.run_uri, "step-000012") == during
     out = capsys.readouterr().out
-    assert "95% interval" in out and "step-000012: examples" in out
+    assert "95% interval" in out and "step-000012, set default: examples" in out
+    assert "step-000012, set choices: acc" in out  # every set of the config, on one pool
 
 
 def test_an_eval_pool_the_cluster_cannot_hold_fails_in_one_line_naming_its_key(straight_run, monkeypatch):

@@ -14,6 +14,7 @@ DATA = "s3://eft/data/train-tests"
 ROOT = "s3://eft/runs-tests"
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 EVAL_SET = "s3://eft/eval-sets/train-tests.jsonl"
+CHOICE_SET = "s3://eft/eval-sets/train-tests-choices.jsonl"
 
 
 def make_cfg(name: str, **sections):
@@ -49,7 +50,19 @@ def write_eval_set() -> str:
     return EVAL_SET
 
 
+def write_choice_set() -> str:
+    """Six prompts cut from the corpus, each with its own continuation and another text's."""
+    from app.dev.tiny import build_corpus
+
+    texts = build_corpus(max_docs=12)[:6]
+    records = [{"prompt": t[:48], "choices": [t[48:60], texts[(i + 1) % 6][48:60]], "answer": 0}
+               for i, t in enumerate(texts)]
+    Store().write_text(CHOICE_SET, "".join(json.dumps(r) + "\n" for r in records))
+    return CHOICE_SET
+
+
 def straight_config():
-    """The reference run: 12 steps on 2 workers, its checkpoints scored on the eval set."""
-    return make_cfg("straight", eval={"uri": write_eval_set(), "every_checkpoints": 1, "max_new_tokens": 8,
-                                      "batch_size": 4})
+    """The reference run: 12 steps on 2 workers, its checkpoints scored on two eval sets: the
+    generation set (`default`) and a multiple-choice one (`choices`)."""
+    return make_cfg("straight", eval={"uri": write_eval_set(), "sets": {"choices": {"uri": write_choice_set()}},
+                                      "every_checkpoints": 1, "max_new_tokens": 8, "batch_size": 4})

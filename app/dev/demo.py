@@ -221,6 +221,7 @@ def run_demo(config_path: Optional[str] = None, state_dir: Path = Path(".eft"), 
     from app.data.manifest import read_committed_manifest
     from app.data.prepare import prepare_dataset
     from app.data.reference import needs_reference
+    from app.config import DEFAULT_SET
     from app.eval.run import run_eval
     from app.export import export_run
     from app.dev.tasks import format_score
@@ -253,10 +254,11 @@ def run_demo(config_path: Optional[str] = None, state_dir: Path = Path(".eft"), 
             manifest = prepare_dataset(cfg, store)
             log.info("prepared %d train rows", manifest["splits"]["train"]["rows"])
         before = chat_reply(cfg.model.uri, store) if chat else None
-        base_score = run_eval(cfg, store, checkpoint="base") if cfg.eval is not None else None
+        base_score = run_eval(cfg, store, checkpoint="base")["results"][DEFAULT_SET] if cfg.eval is not None else None
         summary = run_training(cfg, store)
         exported = export_run(cfg, merge=True, store=store)
-        tuned_score = run_eval(cfg, store, checkpoint=exported["export_uri"]) if cfg.eval is not None else None
+        tuned_score = (run_eval(cfg, store, checkpoint=exported["export_uri"])["results"][DEFAULT_SET]
+                       if cfg.eval is not None else None)
         render_summary(summary)
         print(f"exported: {exported['adapter_uri']} (adapter), {exported['merged_uri']} (merged)")
         if pretrained:

@@ -73,10 +73,10 @@ def run_grpo_demo(cfg, store: Store, chat_config: Path, ensure_inputs: Callable)
     write_task_prompts(cfg, store)
     if read_committed_manifest(store, cfg.data.uri) is None:
         prepare_prompts(cfg, store)
-    before = run_eval(cfg, store, checkpoint="base")
+    before = run_eval(cfg, store, checkpoint="base")["results"]["default"]
     summary = run_training(cfg, store)
     exported = export_run(cfg, merge=True, store=store)
-    after = run_eval(cfg, store, checkpoint=exported["export_uri"])
+    after = run_eval(cfg, store, checkpoint=exported["export_uri"])["results"]["default"]
     render_summary(summary)
     rows = [m for m in load_metrics(store, cfg.run_uri) if "reward_mean" in m]
     first, last = rows[: min(5, len(rows))], rows[-min(5, len(rows)):]

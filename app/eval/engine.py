@@ -1,7 +1,8 @@
 """The scoring engine: a Ray Data pipeline over rendered prompts, on an actor pool that holds the model.
 
-Rows (one per record: its index, batch id and prompt ids; for multiple choice each choice's
-continuation ids) go to `ScoreEval` actors (`eval.num_actors`, each loading the model once):
+Rows (one per record of every set scored together: a unique `uid`, its set, index, batch id and
+prompt ids; for multiple choice each choice's continuation ids) go to `ScoreEval` actors
+(`eval.num_actors`, each loading the model once for all the sets), each set with its own settings:
 - generation: greedy (or seeded sampling) `generate` over a batch, left-padded, stopping at the
   stop ids; returns each record's new tokens, cut before the first stop token;
 - multiple choice: one forward over every (prompt + choice) of a batch, right-padded; returns each
@@ -55,45 +56,54 @@ def load_eval_model(store: Store, source: dict, device):
     return model.to(device).eval()
 
 
-def sum_continuation_logprobs(logits, ids, spans: list[tuple[int, int, int]]) -> list[float]:
+def sum_continuation_logprobs(logits, ids, spans: list[tuple[int, int, int]]) -> tuple[list[float], list[bool]]:
     """Each span's (row, context_len, length) summed log p(ids[row, t] | ids[row, :t]) over the
     continuation t in [context_len, context_len + length): the token at t is scored by the logits
-    at position t - 1. `logits` [rows, T, V] and `ids` [rows, T] on one device; the log-softmax
-    and the gather run there, on the continuation's positions only, and one number per span
-    comes to the host. (Moving each choice's whole [T, V] log-softmax to the CPU cost a copy of
+    at position t - 1. Also whether every continuation token is the argmax there (lm-eval's
+    `is_greedy`). `logits` [rows, T, V] and `ids` [rows, T] on one device; the log-softmax, the
+    gather and the argmax run there, on the continuation's positions only, and two numbers per span
+    come to the host. (Moving each choice's whole [T, V] log-softmax to the CPU cost a copy of
     the sequence's logits per choice.)"""
     import torch
 
-    sums = []
+    sums, greedy = [], []
     for row, context_len, length in spans:
         logp = logits[row, context_len - 1:context_len + length - 1].float().log_softmax(-1)
         targets = ids[row, context_len:context_len + length]
         sums.append(logp.gather(-1, targets[:, None]).double().sum())
-    return torch.stack(sums).cpu().tolist() if sums else []
+        greedy.append((logp.argmax(-1) == targets).all())
+    if not sums:
+        return [], []
+    return torch.stack(sums).cpu().tolist(), torch.stack(greedy).cpu().tolist()
 
 
 class ScoreEval:
     """Ray Data actor: loads the model once, then scores batches of rendered records."""
 
-    def __init__(self, endpoint: Optional[str], region: str, source: dict, settings: dict, use_gpu: bool):
+    def __init__(self, endpoint: Optional[str], region: str, source: dict, settings: dict[str, dict], use_gpu: bool):
         import torch
 
         self.device = torch.device("cuda" if use_gpu and torch.cuda.is_available() else "cpu")
         self.model = load_eval_model(Store(endpoint, region), source, self.device)
-        self.settings = settings
+        self.settings = settings  # by set name
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         rows = batch.to_pylist()
         out = []
-        for batch_id in sorted({r["batch_id"] for r in rows}):
-            group = [r for r in rows if r["batch_id"] == batch_id]
-            out += self.generate(group, batch_id) if self.settings["kind"] == "generation" else self.score(group)
+        for set_name, batch_id in sorted({(r["set"], r["batch_id"]) for r in rows}):
+            group = [r for r in rows if r["set"] == set_name and r["batch_id"] == batch_id]
+            s = self.settings[set_name]
+            if s["kind"] == "generation":
+                out += self.generate(group, batch_id, s)
+            elif s["kind"] == "generate_until":
+                out += self.generate_until(group, s)
+            else:
+                out += self.score(group, s)
         return pa.Table.from_pylist(out, schema=OUTPUT_SCHEMA)
 
-    def generate(self, rows: list[dict], batch_id: int) -> list[dict]:
+    def generate(self, rows: list[dict], batch_id: int, s: dict) -> list[dict]:
         import torch
 
-        s = self.settings
         ids, mask = pad_left([r["input_ids"] for r in rows], s["pad_id"])
         sampling = s["temperature"] > 0
         if sampling:
@@ -110,11 +120,39 @@ class ScoreEval:
         for r, tokens in zip(rows, new):
             tokens = tokens.tolist()
             cut = next((i for i, t in enumerate(tokens) if t in stops), None)
-            results.append({"index": r["index"], "output_ids": tokens if cut is None else tokens[:cut],
-                            "stopped": cut is not None, "choice_logprobs": None})
+            results.append({"uid": r["uid"], "output_ids": tokens if cut is None else tokens[:cut],
+                            "stopped": cut is not None})
         return results
 
-    def score(self, rows: list[dict]) -> list[dict]:
+    def generate_until(self, rows: list[dict], s: dict) -> list[dict]:
+        """lm-eval's `generate_until`, greedy: each row stops at its own `until` strings (checked on
+        the decoded text, as lm-eval's HF model does) or after its `max_new_tokens`; the text is
+        cut before the first stop string by the caller. The tokenizer comes in the settings (the
+        driver's, pickled by Ray), as the actor's node may not have the driver's files."""
+        import torch
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        tokenizer = s["tokenizer"]
+        results = []
+        for r in rows:  # one at a time: each request has its own stops and length
+            ids = torch.as_tensor([r["input_ids"]], device=self.device)
+            until = list(r["until"] or [])
+
+            class StopOnStrings(StoppingCriteria):
+                def __call__(self, input_ids, scores, **kwargs):
+                    text = tokenizer.decode(input_ids[0, ids.shape[1]:])
+                    return any(u in text for u in until)
+
+            with torch.no_grad():
+                out = self.model.generate(
+                    input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=r["max_new_tokens"],
+                    do_sample=False, temperature=None, top_p=None, top_k=None,
+                    stopping_criteria=StoppingCriteriaList([StopOnStrings()]) if until else None,
+                    pad_token_id=s["pad_id"])  # EOS: the model's generation config, as lm-eval's HF model
+            results.append({"uid": r["uid"], "output_ids": out[0, ids.shape[1]:].cpu().tolist(), "stopped": None})
+        return results
+
+    def score(self, rows: list[dict], s: dict) -> list[dict]:
         import torch
 
         seqs, spans = [], []
@@ -123,7 +161,7 @@ class ScoreEval:
                 spans.append((len(seqs), len(r["input_ids"]), len(choice)))
                 seqs.append(list(r["input_ids"]) + list(choice))
         width = max(len(s) for s in seqs)
-        ids = np.full((len(seqs), width), self.settings["pad_id"], dtype=np.int64)
+        ids = np.full((len(seqs), width), s["pad_id"], dtype=np.int64)
         mask = np.zeros_like(ids)
         for i, seq in enumerate(seqs):
             ids[i, :len(seq)] = seq
@@ -132,51 +170,52 @@ class ScoreEval:
             ids_on_device = torch.as_tensor(ids, device=self.device)
             logits = self.model(input_ids=ids_on_device,
                                 attention_mask=torch.as_tensor(mask, device=self.device)).logits
-            sums = sum_continuation_logprobs(logits, ids_on_device, spans)
+            sums, greedy = sum_continuation_logprobs(logits, ids_on_device, spans)
         results, at = [], 0
         for r in rows:
             count = len(r["choice_ids"])
-            results.append({"index": r["index"], "output_ids": None, "stopped": None,
-                            "choice_logprobs": sums[at:at + count]})
+            results.append({"uid": r["uid"], "choice_logprobs": sums[at:at + count],
+                            "choice_greedy": greedy[at:at + count]})
             at += count
         return results
 
 
-OUTPUT_SCHEMA = pa.schema([("index", pa.int64()), ("output_ids", pa.list_(pa.int64())), ("stopped", pa.bool_()),
-                           ("choice_logprobs", pa.list_(pa.float64()))])
+OUTPUT_SCHEMA = pa.schema([("uid", pa.int64()), ("output_ids", pa.list_(pa.int64())), ("stopped", pa.bool_()),
+                           ("choice_logprobs", pa.list_(pa.float64())), ("choice_greedy", pa.list_(pa.bool_()))])
 
 
-def run_pipeline(store: Store, rows: list[dict], source: dict, settings: dict, num_actors: int,
+def run_pipeline(store: Store, rows: list[dict], source: dict, settings: dict[str, dict], num_actors: int,
                  cpus_per_actor: float, use_gpu: bool) -> dict[int, dict]:
-    """Every row through the actor pool; {index: output row}."""
+    """Every row through the actor pool; {uid: output row}."""
     from app.cluster import init_ray, map_on_actor_pool
 
     init_ray(num_cpus=os.cpu_count())  # a Ray of its own only when none is joined or running
     blocks = build_blocks(rows)
     out: dict[int, dict] = {}
     for batch in map_on_actor_pool(blocks, ScoreEval, (store.endpoint, store.region, source, settings, use_gpu),
-                                   key="index", size=num_actors, num_cpus=cpus_per_actor,
+                                   key="uid", size=num_actors, num_cpus=cpus_per_actor,
                                    num_gpus=1 if use_gpu else 0, what="eval", size_key="eval.num_actors"):
         for row in batch.to_pylist():
-            out[row["index"]] = row
+            out[row["uid"]] = row
     return out
 
 
-def run_in_process(store: Store, rows: list[dict], source: dict, settings: dict, use_gpu: bool) -> dict[int, dict]:
+def run_in_process(store: Store, rows: list[dict], source: dict, settings: dict[str, dict],
+                   use_gpu: bool) -> dict[int, dict]:
     """The same batches in this process (evaluation inside Ray Train's validation task)."""
     scorer = ScoreEval(store.endpoint, store.region, source, settings, use_gpu)
     out: dict[int, dict] = {}
     for block in build_blocks(rows):
         for row in scorer(block).to_pylist():
-            out[row["index"]] = row
+            out[row["uid"]] = row
     return out
 
 
 def build_blocks(rows: list[dict]) -> list[pa.Table]:
-    """One Arrow block per batch id: a block is the unit an actor takes, never split across two."""
-    by_batch: dict[int, list[dict]] = {}
+    """One Arrow block per (set, batch id): a block is the unit an actor takes, never split across two."""
+    by_batch: dict[tuple, list[dict]] = {}
     for row in rows:
-        by_batch.setdefault(row["batch_id"], []).append(row)
+        by_batch.setdefault((row["set"], row["batch_id"]), []).append(row)
     return [pa.Table.from_pylist(group) for _, group in sorted(by_batch.items())]
 
 
@@ -202,15 +241,15 @@ def run_vllm(rows: list[dict], model_dir: str, settings: dict, num_actors: int) 
                 "stop_token_ids": settings["stop_ids"], "detokenize": False, "seed": settings["seed"]}
     processor = build_processor(
         config,
-        preprocess=lambda row: {"index": row["index"], "tokenized_prompt": row["input_ids"],
+        preprocess=lambda row: {"uid": row["uid"], "tokenized_prompt": row["input_ids"],
                                 "sampling_params": sampling},
-        postprocess=lambda row: {"index": row["index"], "output_ids": list(row["generated_tokens"])})
-    ds = processor(ray.data.from_items([{"index": r["index"], "input_ids": r["input_ids"]} for r in rows]))
+        postprocess=lambda row: {"uid": row["uid"], "output_ids": list(row["generated_tokens"])})
+    ds = processor(ray.data.from_items([{"uid": r["uid"], "input_ids": r["input_ids"]} for r in rows]))
     stops = set(settings["stop_ids"])
     out = {}
     for row in ds.take_all():
         tokens = list(row["output_ids"])
         cut = next((i for i, t in enumerate(tokens) if t in stops), None)
-        out[row["index"]] = {"index": row["index"], "output_ids": tokens if cut is None else tokens[:cut],
-                             "stopped": cut is not None, "choice_logprobs": None}
+        out[row["uid"]] = {"uid": row["uid"], "output_ids": tokens if cut is None else tokens[:cut],
+                           "stopped": cut is not None}
     return out

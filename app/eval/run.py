@@ -1,10 +1,12 @@
-"""`eft eval`: one model of a run scored on the eval set, results under `<run>/eval/<label>/`.
+"""`eft eval`: one model of a run scored on its eval sets (and lm-eval tasks), results under
+`<run>/eval/<label>/<set>/`, a summary in `<run>/eval/<label>/summary.json`.
 
-set (validated, fingerprinted) → the model to score (base, a checkpoint, an export) → prompts
-rendered in the training format → the engine (Ray Data actor pool, or in this process inside a
-validation task) → predictions decoded and scored → predictions.jsonl, then results.json.
-Everything that can be wrong with the set, the config or the checkpoint is found before a model
-is loaded.
+sets (validated, fingerprinted) → the model to score (base, a checkpoint, an export) → prompts
+rendered in the training format → the engine (one Ray Data actor pool for every set, or in this
+process inside a validation task) → predictions decoded and scored per set → predictions.jsonl,
+then results.json, per set → the harness's tasks on the same kind of pool → summary.json.
+Everything that can be wrong with the sets, the harness config or the checkpoint is found before
+a model is loaded.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import numpy as np
 from app.config import JobConfig
 from app.elastic.resume import resolve_run_model
 from app.eval.render import PromptRenderer
-from app.eval.results import save_results, step_label
+from app.config import DEFAULT_SET
+from app.eval.results import save_results, step_label, write_summary
 from app.eval.score import bootstrap_interval, score_choices, score_generation
 from app.eval.sets import GENERATION, EvalSet, load_eval_set, pick_metric
 from app.storage import Store, join
@@ -98,12 +101,15 @@ def training_format(cfg: JobConfig, store: Store, tokenizer) -> str:
     return fmt or ("chat" if tokenizer.chat_template else "text")
 
 
-def build_rows(eval_set: EvalSet, renderer: PromptRenderer, batch_size: int) -> list[dict]:
-    """One row per record: its prompt ids (and choices'), and a batch id fixed here. Records are
-    batched by length (less padding), ties in record order."""
+def build_rows(eval_set: EvalSet, renderer: PromptRenderer, batch_size: int, set_name: str = DEFAULT_SET,
+               first_uid: int = 0) -> list[dict]:
+    """One row per record: a uid unique among every set scored together, its prompt ids (and
+    choices'), and a batch id fixed here. Records are batched by length (less padding), ties in
+    record order, and a batch never mixes sets."""
     rows = []
     for record in eval_set.records:
-        row = {"index": record.index, "input_ids": renderer.ids(record)}
+        row = {"uid": first_uid + len(rows), "set": set_name, "index": record.index,
+               "input_ids": renderer.ids(record)}
         if eval_set.kind != GENERATION:
             row["choice_ids"] = renderer.choice_ids(record)
         rows.append(row)
@@ -114,63 +120,116 @@ def build_rows(eval_set: EvalSet, renderer: PromptRenderer, batch_size: int) -> 
     return rows
 
 
+def pick_sets(ecfg, names: Optional[list[str]]) -> dict:
+    """The named sets to score (`--sets a,b`; None: all; []: none), each as its own EvalConfig."""
+    sets = ecfg.named_sets()
+    if names is None:
+        return sets
+    unknown = [n for n in names if n not in sets]
+    if unknown:
+        raise EvalError(f"--sets {','.join(names)}: {unknown[0]!r} is not a set of eval "
+                        f"(sets: {', '.join(sets) or 'none'})")
+    return {n: sets[n] for n in names}
+
+
 def run_eval(cfg: JobConfig, store: Optional[Store] = None, checkpoint: str = "latest", limit: Optional[int] = None,
-             in_process: bool = False, source: Optional[dict] = None) -> dict:
-    """Score one model of `cfg`'s run on `eval.uri`; returns results.json's content plus `examples`."""
+             in_process: bool = False, source: Optional[dict] = None, sets: Optional[list[str]] = None,
+             harness: bool = True) -> dict:
+    """Score one model of `cfg`'s run on the eval sets (`sets`: their names, None for all) and,
+    when `harness` and `eval.harness` is set, on lm-evaluation-harness's tasks. Returns the
+    label's summary, with each scored set's results.json content (plus `examples`) under
+    `results[set]` and lm-eval's results under `harness_results`."""
     if cfg.eval is None:
-        raise EvalError("eval: section missing (eval.uri names the eval set)")
+        raise EvalError("eval: section missing (eval.uri, eval.sets or eval.harness names what to score)")
     ecfg = cfg.eval
     store = store or Store.from_config(cfg.storage)
+    chosen = pick_sets(ecfg, sets)
+    harness_cfg = ecfg.harness if harness else None
+    if harness_cfg is not None:
+        from app.eval.harness import check_harness
+
+        check_harness(harness_cfg)  # the extra, the tasks: before a model or a set is read
+    if not chosen and harness_cfg is None:
+        raise EvalError("nothing to score: no set chosen (--sets) and no harness (eval.harness, or --no-harness)")
     cfg = resolve_run_model(cfg, store)
     started = time.monotonic()
-    eval_set = load_eval_set(store, ecfg, limit)
-    metric = pick_metric(ecfg, eval_set.kind)
+    eval_sets = {name: load_eval_set(store, one, limit) for name, one in chosen.items()}
+    metrics = {name: pick_metric(chosen[name], es.kind) for name, es in eval_sets.items()}
     source = source or resolve_source(cfg, store, checkpoint)
     tokenizer = load_source_tokenizer(cfg, store, source)
     renderer = PromptRenderer(tokenizer, tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None,
                               training_format(cfg, store, tokenizer))
-    rows = build_rows(eval_set, renderer, ecfg.batch_size)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else renderer.stop_ids[0]
-    settings = {"kind": eval_set.kind, "max_new_tokens": ecfg.max_new_tokens, "temperature": ecfg.temperature,
-                "seed": ecfg.seed, "stop_ids": renderer.stop_ids, "pad_id": pad_id}
-    log.info("eval %s (%s) on %d %s records of %s, rendered as %s", source["label"], source["kind"],
-             len(rows), eval_set.kind.replace("_", "-"), ecfg.uri, renderer.mode)
-    outputs = run_engine(cfg, store, rows, source, settings, in_process)
-    predictions, correct, extra = score_outputs(eval_set, outputs, tokenizer, metric, ecfg)
-    low, high = bootstrap_interval(np.asarray(correct), seed=ecfg.seed)
-    results = {
-        "label": source["label"], "metric": metric, "score": float(np.mean(correct)), "n": len(correct),
-        "interval": [low, high], "interval_level": 0.95, "metrics": extra,
-        "step": source.get("step"), "checkpoint": {k: source.get(k) for k in
-                                                    ("kind", "checkpoint_uri", "model_uri", "adapter_uri")},
-        "run_uri": cfg.run_uri, "base_model_uri": cfg.model.uri, "eval_set": {**eval_set.describe(), "limit": limit},
-        "rendering": renderer.mode,
-        "decoding": ({"greedy": ecfg.temperature == 0, "temperature": ecfg.temperature, "seed": ecfg.seed,
-                      "max_new_tokens": ecfg.max_new_tokens, "stop_token_ids": renderer.stop_ids,
-                      "batch_size": ecfg.batch_size, "padding": "left"}
-                     if eval_set.kind == GENERATION else {"scoring": "log-likelihood", "batch_size": ecfg.batch_size}),
-        "num_actors": 1 if in_process else ecfg.num_actors, "wall_s": round(time.monotonic() - started, 3),
-        "created_at": time.time(),
-    }
-    save_results(store, cfg.run_uri, source["label"], predictions, results)
-    log.info("eval %s: %s %.4f (95%% interval %.4f-%.4f) on %d records", source["label"], metric,
-             results["score"], low, high, len(correct))
-    return {**results, "examples": predictions[:3]}
+    rows, settings = [], {}
+    for name, eval_set in eval_sets.items():
+        one = chosen[name]
+        rows += build_rows(eval_set, renderer, one.batch_size, name, first_uid=len(rows))
+        settings[name] = {"kind": eval_set.kind, "max_new_tokens": one.max_new_tokens, "temperature": one.temperature,
+                          "seed": one.seed, "stop_ids": renderer.stop_ids, "pad_id": pad_id}
+        log.info("eval %s (%s) on %d %s records of set %s (%s), rendered as %s", source["label"], source["kind"],
+                 len(eval_set.records), eval_set.kind.replace("_", "-"), name, one.uri, renderer.mode)
+    outputs = run_engine(cfg, store, rows, source, settings, in_process) if rows else {}
+    scored = {}
+    for name, eval_set in eval_sets.items():
+        one = chosen[name]
+        by_index = {r["index"]: outputs[r["uid"]] for r in rows if r["set"] == name}
+        predictions, correct, extra = score_outputs(eval_set, by_index, tokenizer, metrics[name], one)
+        low, high = bootstrap_interval(np.asarray(correct), seed=one.seed)
+        results = {
+            "label": source["label"], "set": name, "metric": metrics[name], "score": float(np.mean(correct)),
+            "n": len(correct), "interval": [low, high], "interval_level": 0.95, "metrics": extra,
+            "step": source.get("step"), "checkpoint": {k: source.get(k) for k in
+                                                        ("kind", "checkpoint_uri", "model_uri", "adapter_uri")},
+            "run_uri": cfg.run_uri, "base_model_uri": cfg.model.uri,
+            "eval_set": {**eval_set.describe(), "limit": limit}, "rendering": renderer.mode,
+            "decoding": ({"greedy": one.temperature == 0, "temperature": one.temperature, "seed": one.seed,
+                          "max_new_tokens": one.max_new_tokens, "stop_token_ids": renderer.stop_ids,
+                          "batch_size": one.batch_size, "padding": "left"}
+                         if eval_set.kind == GENERATION else {"scoring": "log-likelihood", "batch_size": one.batch_size}),
+            "num_actors": 1 if in_process else ecfg.num_actors, "wall_s": round(time.monotonic() - started, 3),
+            "created_at": time.time(),
+        }
+        save_results(store, cfg.run_uri, source["label"], name, predictions, results)
+        log.info("eval %s, set %s: %s %.4f (95%% interval %.4f-%.4f) on %d records", source["label"], name,
+                 metrics[name], results["score"], low, high, len(correct))
+        scored[name] = {**results, "examples": predictions[:3]}
+    harness_results = None
+    if harness_cfg is not None:
+        from app.eval.harness import run_harness
+
+        harness_results = run_harness(cfg, store, source, tokenizer, harness_cfg, in_process)
+    summary = write_summary(store, cfg.run_uri, source["label"])
+    return {**summary, "results": scored, "harness_results": harness_results}
 
 
-def run_engine(cfg: JobConfig, store: Store, rows: list[dict], source: dict, settings: dict, in_process: bool) -> dict:
+def run_engine(cfg: JobConfig, store: Store, rows: list[dict], source: dict, settings: dict[str, dict],
+               in_process: bool) -> dict:
+    """{uid: output} of every row: vLLM for the generation sets where it applies, the actor pool
+    (or this process) for the rest, one pool for all of them."""
     from app.eval.engine import run_in_process, run_pipeline, run_vllm, vllm_available
 
     ecfg, use_gpu = cfg.eval, cfg.scaling.use_gpu
-    vllm = settings["kind"] == GENERATION and source.get("model_uri") and not source.get("adapter_uri") and (
+    engine_ok = source.get("model_uri") and not source.get("adapter_uri") and (
         ecfg.engine == "vllm" or (ecfg.engine == "auto" and use_gpu and vllm_available()))
-    if vllm:
+    outputs: dict[int, dict] = {}
+    rest = rows
+    if engine_ok:
         if not vllm_available():
             raise EvalError("eval.engine vllm: vLLM is not installed (pip install 'eft[vllm]')")
-        return run_vllm(rows, str(store.cache_locally(source["model_uri"])), settings, ecfg.num_actors)
+        rest = []
+        for name, s in settings.items():
+            mine = [r for r in rows if r["set"] == name]
+            if s["kind"] == GENERATION:
+                outputs.update(run_vllm(mine, str(store.cache_locally(source["model_uri"])), s, ecfg.num_actors))
+            else:
+                rest += mine
+    if not rest:
+        return outputs
     if in_process:
-        return run_in_process(store, rows, source, settings, use_gpu)
-    return run_pipeline(store, rows, source, settings, ecfg.num_actors, ecfg.cpus_per_actor, use_gpu)
+        outputs.update(run_in_process(store, rest, source, settings, use_gpu))
+    else:
+        outputs.update(run_pipeline(store, rest, source, settings, ecfg.num_actors, ecfg.cpus_per_actor, use_gpu))
+    return outputs
 
 
 def score_outputs(eval_set: EvalSet, outputs: dict, tokenizer, metric: str, ecfg) -> tuple[list, list, dict]:

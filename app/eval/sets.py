@@ -152,7 +152,8 @@ def load_eval_set(store: Store, ecfg: EvalConfig, limit: Optional[int] = None) -
     """Read, validate and fingerprint the set; the first `limit` usable records (all without one).
     Fails in one line, before any model is loaded, on a set that is missing, mixed, over its bad-record
     limit, or whose records do not fit `eval.metric`."""
-    files = list_set_files(store, ecfg.uri)
+    key = ecfg._key
+    files = list_set_files(store, ecfg.uri, f"{key}.uri")
     digest = hashlib.sha256()
     records: list[EvalRecord] = []
     skipped: dict[str, int] = {}
@@ -162,11 +163,11 @@ def load_eval_set(store: Store, ecfg: EvalConfig, limit: Optional[int] = None) -
         try:
             data = store.read_bytes(uri)
         except StorageError as err:
-            raise EvalSetError(f"eval.uri {uri}: cannot read ({err})") from None
+            raise EvalSetError(f"{key}.uri {uri}: cannot read ({err})") from None
         name = uri.rsplit("/", 1)[-1]
         digest.update(f"{name}\0{len(data)}\0".encode())
         digest.update(data)
-        for where, raw in iter_raw_records(data, kind, name):
+        for where, raw in iter_raw_records(data, kind, name, f"{key}.uri"):
             read += 1
             record = raw if isinstance(raw, Skip) else build_record(raw, len(records), where)
             if isinstance(record, Skip):
@@ -177,16 +178,16 @@ def load_eval_set(store: Store, ecfg: EvalConfig, limit: Optional[int] = None) -
             records.append(record)
     total_skipped = sum(skipped.values())
     if total_skipped > ecfg.max_bad_records:
-        raise EvalSetError(f"eval.uri {ecfg.uri}: {total_skipped} records cannot be scored (more than "
-                           f"eval.max_bad_records {ecfg.max_bad_records}), the first: {bad[0]}")
+        raise EvalSetError(f"{key}.uri {ecfg.uri}: {total_skipped} records cannot be scored (more than "
+                           f"{key}.max_bad_records {ecfg.max_bad_records}), the first: {bad[0]}")
     if not records:
-        raise EvalSetError(f"eval.uri {ecfg.uri}: no record can be scored"
+        raise EvalSetError(f"{key}.uri {ecfg.uri}: no record can be scored"
                            + (f" (the first: {bad[0]})" if bad else " (the set is empty)"))
     kinds = {r.kind for r in records}
     if len(kinds) > 1:
         first_gen = next(r for r in records if r.kind == GENERATION)
         first_mc = next(r for r in records if r.kind == MULTIPLE_CHOICE)
-        raise EvalSetError(f"eval.uri {ecfg.uri}: mixes generation records ({first_gen.where}) and multiple-choice "
+        raise EvalSetError(f"{key}.uri {ecfg.uri}: mixes generation records ({first_gen.where}) and multiple-choice "
                            f"records ({first_mc.where}); keep each kind in a set of its own")
     kind = kinds.pop()
     pick_metric(ecfg, kind)
@@ -202,6 +203,6 @@ def pick_metric(ecfg: EvalConfig, kind: str) -> str:
     fits = GENERATION_METRICS if kind == GENERATION else CHOICE_METRICS
     if ecfg.metric not in fits:
         what = "generation records (prompt + answer)" if kind == GENERATION else "multiple-choice records (choices)"
-        raise ConfigError(f"eval.metric {ecfg.metric}: eval.uri {ecfg.uri} holds {what}; use one of "
+        raise ConfigError(f"{ecfg._key}.metric {ecfg.metric}: {ecfg._key}.uri {ecfg.uri} holds {what}; use one of "
                            f"{', '.join(fits)}")
     return ecfg.metric

@@ -29,7 +29,7 @@ from app.hub import resolve_model
 from app.model.architecture import ModelError, check_lora_targets, check_seq_len, load_model_config
 from app.model.loss import check_loss_setup
 from app.observe import records
-from app.observe.sinks import mlflow_settings
+from app.observe.sinks import mlflow_settings, wandb_settings
 from app.observe.summary import build_summary, write_summary
 from app.plan import apply_parallelism
 from app.storage import Store, join
@@ -67,7 +67,9 @@ def preflight(cfg: JobConfig, store: Store) -> dict:
         check_lora_targets(cfg.lora, model_config, cfg.model.uri)
     check_loss_setup(cfg, model_config)
     if cfg.eval is not None and cfg.eval.every_checkpoints:
-        load_eval_set(store, cfg.eval)  # a bad eval set is one line now, not a warning per checkpoint
+        sets = cfg.eval.named_sets()
+        for name in cfg.eval.checkpoint_sets():  # a bad eval set is one line now, not a warning per checkpoint
+            load_eval_set(store, sets[name])
     return manifest
 
 
@@ -133,7 +135,7 @@ def build_trainer(cfg: JobConfig, store: Store, train_fn=None, fence: Fence | No
     callbacks = build_controller_callbacks(elastic=s.min_workers < s.max_workers, fenced=fence is not None)
     return build_torch_trainer_class()(
         train_fn or train_loop_per_worker,
-        train_loop_config={"cfg": cfg.model_dump(mode="json"), "mlflow": mlflow_settings(),
+        train_loop_config={"cfg": cfg.model_dump(mode="json"), "mlflow": mlflow_settings(), "wandb": wandb_settings(),
                            "fence": fence.to_dict() if fence is not None else None},
         torch_config=TorchConfig(backend="nccl" if s.use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=s.use_gpu, resources_per_worker=resources,
@@ -145,7 +147,7 @@ def build_trainer(cfg: JobConfig, store: Store, train_fn=None, fence: Fence | No
                                          max_preemption_failures=cfg.fault_tolerance.max_preemption_failures),
             callbacks=callbacks or None,
         ),
-        validation_config=build_validation_config(cfg, mlflow_settings(), validation_fn),
+        validation_config=build_validation_config(cfg, mlflow_settings(), validation_fn, wandb=wandb_settings()),
     )
 
 
@@ -161,7 +163,7 @@ def build_local_trainer(cfg: JobConfig, train_fn=None, fence: Fence | None = Non
     from app.train.loop import train_loop_per_worker
 
     loop_config = {"launcher": "torchrun", "cfg": cfg.model_dump(mode="json") if driver else None,
-                   "mlflow": mlflow_settings() if driver else None,
+                   "mlflow": mlflow_settings() if driver else None, "wandb": wandb_settings() if driver else None,
                    "fence": fence.to_dict() if fence is not None else None}
     return TorchTrainer(train_fn or train_loop_per_worker, train_loop_config=loop_config,
                         scaling_config=ScalingConfig(num_workers=0), run_config=RunConfig(name=cfg.name))

@@ -47,7 +47,7 @@ from app.observe import records
 from app.observe.metrics import MetricsLog, StepTimer, format_progress, peak_memory
 from app.observe.nccl import NcclProbe
 from app.observe.records import record_weights_loaded
-from app.observe.sinks import MlflowSink, TensorBoardSink, flatten
+from app.observe.sinks import MlflowSink, TensorBoardSink, WandbSink, flatten
 from app.storage import Store, join
 from app.train.objective import build_objective, summarize
 
@@ -264,6 +264,7 @@ class Worker:
     fence: Optional[Fence] = None  # the run lease's epoch this group was started with
     launcher: str = "ray"  # or "torchrun": Ray Train's local mode, no Ray cluster (app/train/torchrun.py)
     mlflow: Optional[dict] = None  # the driver's MLflow settings (rank 0 only)
+    wandb: Optional[dict] = None  # the driver's W&B settings (rank 0 only)
     watchers: Watchers = field(default_factory=Watchers)
     progress: Progress = field(default_factory=Progress)
 
@@ -305,7 +306,7 @@ def setup(config: dict) -> Worker:
         data.rollouts = build_rollouts(cfg, store, data.manifest, rank, world, device, model.autocast_dtype)
     return Worker(cfg=cfg, rank=rank, world=world, nodes=max(world // ctx.get_local_world_size(), 1), device=device,
                   store=store, data=data, model=model, recorders=Recorders(marks=marks, nccl_probe=nccl_probe),
-                  fence=fence, launcher=launcher, mlflow=config.get("mlflow"))
+                  fence=fence, launcher=launcher, mlflow=config.get("mlflow"), wandb=config.get("wandb"))
 
 
 def adopt_rank_zero_config(config: dict) -> dict:
@@ -438,6 +439,8 @@ def resume(w: Worker, config: dict) -> None:
         rec.sinks.append(TensorBoardSink(w.store, cfg.run_uri, resumed_from_step=step))
         if config.get("mlflow"):
             rec.sinks.append(MlflowSink(config["mlflow"], cfg.run_uri, flatten(config["cfg"])))
+        if config.get("wandb"):
+            rec.sinks.append(WandbSink(config["wandb"], cfg.run_uri, config["cfg"], resumed_from_step=step))
         padding = d.plan.padding_rows if d.plan is not None else 0
         if d.plan is None:
             log.info("world %d | %d prompts x %d completions per step, micro %d | params %.2fM trainable of %.2fM | "
@@ -651,7 +654,8 @@ def maybe_checkpoint(w: Worker) -> None:
         # The score joins the run's metrics from <run>/eval/, as under Ray (app/report.py); the
         # steps are blocked meanwhile, so its time counts as the checkpoint's.
         with rec.timer.phase("checkpoint"):
-            validate_in_process(cfg, join(cfg.run_uri, ckpt.checkpoint_dir_name(step)), w.mlflow)
+            validate_in_process(cfg, join(cfg.run_uri, ckpt.checkpoint_dir_name(step)), w.mlflow,
+                                wandb=w.wandb)
     if watch.preemption is not None:
         watch.preemption.record_save(time.monotonic() - began, uploaded=wait_for_upload)
     rec.heartbeat.beat(step, force=True)
