@@ -536,7 +536,10 @@ def test_status_and_report_show_base_against_tuned(tuned_run):
     base = status["eval"]["sets"]["default"]["base"]
     assert "set / task" in shown and "step-000005" in shown
     assert f"{base['score']:.3f} ({base['interval'][0]:.3f}-{base['interval'][1]:.3f})" in shown
-    assert dict(build_status_rows(status))["eval"].startswith("default: exact_match ")
+    line = dict(build_status_rows(status))["eval"]
+    latest = status["eval"]["sets"]["default"]["latest"]
+    assert line == (f"default: {latest['metric']} {latest['score']:.3f} (95% {latest['interval'][0]:.3f}-"
+                    f"{latest['interval'][1]:.3f}, n={latest['n']}) at {latest['label']}; base {base['score']:.3f}")
     written = save_report(store, run)
     assert join(cfg.run_uri, "report", "eval.png") in written
     markdown = store.read_text(join(cfg.run_uri, "report", "report.md"))

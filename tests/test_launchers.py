@@ -120,7 +120,9 @@ def test_a_run_loses_a_node_under_torchrun_then_moves_to_ray_and_back_on_the_ray
     first = load_summary(store, cfg.run_uri)
     (saved,) = [e for e in load_events(store, cfg.run_uri) if e["kind"] == "signal_checkpoint"]
     stop = saved["step"]
-    assert saved["signal"] == "SIGTERM" and 7 < stop < 10, saved
+    # The signal goes out when the re-formed rank 0 logs step 7; it lands at that step's boundary
+    # or the next one's, as the rank is quicker or slower than this process to get there.
+    assert saved["signal"] == "SIGTERM" and 7 <= stop < 10, saved
     # torchrun's restart is a driver restart: the re-formed rank 0 took the run lease over.
     assert first["status"] == "stopped" and first["steps"] == stop and first["launchers"] == ["torchrun"] * 2
     assert first["world_sizes"] == [2, 1] and first["resumed_from_steps"] == [6]

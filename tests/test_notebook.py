@@ -163,10 +163,10 @@ def test_notebook_scores_base_and_tuned_on_one_plot(executed):
     cell = tagged(nb, "chat-eval")
     assert has_png(cell)
     out = stdout_of(cell)
-    base = re.search(r"^base:  exact_match (\S+)% on 100 held-out prompts$", out, re.MULTILINE)
-    tuned = re.search(rf"^tuned: exact_match (\S+)% \(the export of step {STEPS}\)$", out, re.MULTILINE)
-    assert base and tuned, out
-    assert float(base.group(1)) <= 10.0
+    scores = re.search(rf"^set default: base exact_match (\S+)% on 100 held-out prompts, tuned (\S+)% "
+                       rf"\(the export of step {STEPS}\)$", out, re.MULTILINE)
+    assert scores, out
+    assert float(scores.group(1)) <= 10.0
     assert len(re.findall(r"^  'Is \d+ even or odd\?' \(answer '(?:even|odd)'\): base .+, tuned .+$", out,
                           re.MULTILINE)) == 3, out
     (rank,) = RANKS
