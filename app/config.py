@@ -599,8 +599,9 @@ class HarnessConfig(_Strict):
     `--apply_chat_template` does; off by default, as the tasks' published numbers are."""
     batch_size: int = Field(8, gt=0)
     """Requests per forward or generation batch on an actor."""
-    max_length: int = Field(2048, gt=0)
-    """Context length in tokens: longer requests keep their last tokens, as lm-eval's HF model does."""
+    max_length: Optional[int] = Field(None, gt=0)
+    """Context length in tokens: longer requests keep their last tokens, as lm-eval's HF model does.
+    Default: the model's own (its config's `max_position_embeddings`, ...), by lm-eval's rule."""
     max_gen_toks: int = Field(256, gt=0)
     """`generate_until` requests stop here unless the task sets its own."""
     seed: int = Field(0, ge=0)

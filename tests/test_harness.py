@@ -63,7 +63,8 @@ def task_dir(tmp_path_factory) -> Path:
 
 
 def harness_cfg(cfg, task_dir: Path, **keys):
-    harness = {"tasks": TASKS, "include_path": str(task_dir), "max_length": 64, "batch_size": 3, **keys}
+    # No max_length: both models take the merged export's own context length, by lm-eval's rule.
+    harness = {"tasks": TASKS, "include_path": str(task_dir), "batch_size": 3, **keys}
     return cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"harness": harness_config(harness)})})
 
 
@@ -82,7 +83,7 @@ def hflm_reference(tuned_run, task_dir):
 
     _, exported = tuned_run
     merged = Store().cache_locally(exported["merged_uri"])
-    model = HFLM(pretrained=str(merged), batch_size=1, max_length=64, device="cpu", dtype="float32")
+    model = HFLM(pretrained=str(merged), batch_size=1, device="cpu", dtype="float32")
     results = simple_evaluate(model=model, tasks=TASKS, task_manager=TaskManager(include_path=str(task_dir)),
                               log_samples=True, random_seed=0, numpy_random_seed=0, torch_random_seed=0,
                               fewshot_random_seed=0)

@@ -76,6 +76,16 @@ def load_task_manager(hcfg: HarnessConfig):
     return load_task_manager_for(hcfg.include_path, tuple(hcfg.tasks))
 
 
+def model_max_length(store: Store, model_uri: str, tokenizer) -> int:
+    """What lm-eval's HF model takes as the context length when none is given, by lm-eval's own
+    rule (the config's text model, its top level, the tokenizer's `model_max_length`, 2048)."""
+    from lm_eval.models.utils import resolve_max_length
+
+    from app.model.architecture import load_model_config
+
+    return resolve_max_length(load_model_config(store, model_uri), tokenizer)
+
+
 def build_pool_lm(cfg, store: Store, source: dict, tokenizer, hcfg: HarnessConfig, in_process: bool):
     """lm-eval's LM for `source`: a subclass of its TemplateLM, built here so that lm-eval is
     imported only when the harness runs."""
@@ -87,6 +97,7 @@ def build_pool_lm(cfg, store: Store, source: dict, tokenizer, hcfg: HarnessConfi
 
     ecfg, use_gpu = cfg.eval, cfg.scaling.use_gpu
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    max_length = hcfg.max_length or model_max_length(store, source.get("model_uri") or cfg.model.uri, tokenizer)
 
     def run(rows: list[dict], settings: dict) -> dict[int, dict]:
         if in_process:
@@ -119,7 +130,7 @@ def build_pool_lm(cfg, store: Store, source: dict, tokenizer, hcfg: HarnessConfi
 
         @property
         def max_length(self) -> int:
-            return hcfg.max_length
+            return max_length
 
         def tok_encode(self, string: str, add_special_tokens: Optional[bool] = None, **kwargs) -> list[int]:
             from lm_eval.models.utils import has_bos_prefix
@@ -132,7 +143,7 @@ def build_pool_lm(cfg, store: Store, source: dict, tokenizer, hcfg: HarnessConfi
         def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
             rows = []
             for uid, (_, context_enc, continuation_enc) in enumerate(requests):
-                seq = (list(context_enc) + list(continuation_enc))[-(hcfg.max_length + 1):]
+                seq = (list(context_enc) + list(continuation_enc))[-(max_length + 1):]
                 cut = len(seq) - len(continuation_enc)
                 rows.append({"uid": uid, "set": LOGLIKELIHOOD, "index": uid, "input_ids": seq[:cut],
                              "choice_ids": [seq[cut:]]})
@@ -146,7 +157,7 @@ def build_pool_lm(cfg, store: Store, source: dict, tokenizer, hcfg: HarnessConfi
             for i, (string,) in enumerate(req.args for req in requests):
                 for context, continuation in map(make_disjoint_window, get_rolling_token_windows(
                         token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
-                        max_seq_len=hcfg.max_length, context_len=1)):
+                        max_seq_len=max_length, context_len=1)):
                     windows.append((None, context, continuation))
                     owner.append(i)
             totals = [0.0] * len(requests)
@@ -164,7 +175,7 @@ def build_pool_lm(cfg, store: Store, source: dict, tokenizer, hcfg: HarnessConfi
                 if kwargs.get("do_sample") or kwargs.get("temperature", 0.0) > 0:
                     log.warning("harness: a task asks for sampling (%s); eft's harness model decodes greedily",
                                 {k: kwargs[k] for k in ("do_sample", "temperature") if k in kwargs})
-                ids = self.tok_encode(context)[-(hcfg.max_length - max_gen_toks):]
+                ids = self.tok_encode(context)[-(max_length - max_gen_toks):]
                 rows.append({"uid": uid, "set": GENERATE_UNTIL, "index": uid, "input_ids": ids, "until": until,
                              "max_new_tokens": max_gen_toks})
                 stops.append(until)
