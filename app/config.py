@@ -595,8 +595,9 @@ class HarnessConfig(_Strict):
     """A local directory of task YAMLs (lm-eval's `--include_path`); a task's data may be local files
     (`dataset_path: json` with `dataset_kwargs.data_files`)."""
     apply_chat_template: bool = False
-    """Render each request through the model's chat template (the one training used), as lm-eval's
-    `--apply_chat_template` does; off by default, as the tasks' published numbers are."""
+    """Render each request through the model's chat template with eft's own chat rendering (what
+    training and serving use), as lm-eval's `--apply_chat_template` does; off by default, as the
+    tasks' published numbers are."""
     batch_size: int = Field(8, gt=0)
     """Requests per forward or generation batch on an actor."""
     max_length: Optional[int] = Field(None, gt=0)

@@ -146,6 +146,33 @@ def check_stored_harness(store: Store, cfg, label: str, hflm_reference: dict, nu
         assert summary["harness"]["tiny_ppl"]["metric"] == "word_perplexity"
 
 
+def test_the_chat_template_renders_as_lm_evals_own(tuned_run, task_dir):
+    """`apply_chat_template`: lm-eval renders each request as a conversation through the model's
+    template; eft's model renders it with eft's own chat code (what training and serving use), and
+    the requests and answers are those of lm-eval's HF model rendering it with transformers'. In
+    this process (the actor's class and batches), on the multiple-choice task."""
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    from app.eval.run import run_eval
+
+    cfg, exported = tuned_run
+    store = Store()
+    chat = harness_cfg(cfg, task_dir, tasks=["tiny_mc"], apply_chat_template=True)
+    summary = run_eval(chat, store, checkpoint=exported["export_uri"], in_process=True, sets=[])
+    ours = read_samples(store, cfg.run_uri, summary["label"], ["tiny_mc"])
+    model = HFLM(pretrained=str(store.cache_locally(exported["merged_uri"])), batch_size=1, device="cpu",
+                 dtype="float32")
+    reference = simple_evaluate(model=model, tasks=["tiny_mc"], task_manager=TaskManager(include_path=str(task_dir)),
+                                log_samples=True, apply_chat_template=True, random_seed=0, numpy_random_seed=0,
+                                torch_random_seed=0, fewshot_random_seed=0)["samples"]
+    contexts = [s["arguments"][0][0] for s in sorted(ours["tiny_mc"], key=lambda s: s["doc_id"])]
+    assert all(c.startswith("<|im_start|>user\n") for c in contexts), contexts[0]
+    assert contexts == [s["arguments"][0][0] for s in sorted(reference["tiny_mc"], key=lambda s: s["doc_id"])]
+    assert_same_samples(ours, reference, ["tiny_mc"])
+
+
 def test_bad_harness_config_is_one_line_before_any_model(tuned_run, task_dir, monkeypatch, tmp_path, capsys):
     from app.cli import main
 

@@ -86,7 +86,7 @@ def model_max_length(store: Store, model_uri: str, tokenizer) -> int:
     return resolve_max_length(load_model_config(store, model_uri), tokenizer)
 
 
-def build_pool_lm(cfg, store: Store, source: dict, tokenizer, hcfg: HarnessConfig, in_process: bool):
+def build_pool_lm(cfg, store: Store, source: dict, tokenizer, hcfg: HarnessConfig, in_process: bool, chat=None):
     """lm-eval's LM for `source`: a subclass of its TemplateLM, built here so that lm-eval is
     imported only when the harness runs."""
     from lm_eval.api.model import TemplateLM
@@ -188,8 +188,8 @@ def build_pool_lm(cfg, store: Store, source: dict, tokenizer, hcfg: HarnessConfi
                                                stop, None) for r, stop in zip(rows, stops)]
 
         def apply_chat_template(self, chat_history: list[dict], add_generation_prompt: bool = True) -> str:
-            return tokenizer.apply_chat_template(chat_history, tokenize=False,
-                                                 add_generation_prompt=add_generation_prompt)
+            # eft's own chat rendering (app/data/chat.py), the code training and serving render with.
+            return chat.render_text(chat_history, add_generation_prompt=add_generation_prompt)[0]
 
         @property
         def tokenizer_name(self) -> str:
@@ -198,16 +198,20 @@ def build_pool_lm(cfg, store: Store, source: dict, tokenizer, hcfg: HarnessConfi
     return PoolLM()
 
 
-def run_harness(cfg, store: Store, source: dict, tokenizer, hcfg: HarnessConfig, in_process: bool = False) -> dict:
-    """lm-eval's simple_evaluate on PoolLM; its results under `<run>/eval/<label>/harness/`."""
+def run_harness(cfg, store: Store, source: dict, tokenizer, hcfg: HarnessConfig, in_process: bool = False,
+                chat=None) -> dict:
+    """lm-eval's simple_evaluate on PoolLM; its results under `<run>/eval/<label>/harness/`.
+    `chat`: the model's ChatFormat (app.data.chat), which `apply_chat_template` renders with."""
     from lm_eval import simple_evaluate
     from lm_eval.utils import handle_non_serializable
 
     from app.eval.results import eval_uri
 
     check_harness(hcfg)
+    if hcfg.apply_chat_template and chat is None:
+        raise HarnessError(f"eval.harness.apply_chat_template: {source['label']} has no chat template to render with")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    lm = build_pool_lm(cfg, store, source, tokenizer, hcfg, in_process)
+    lm = build_pool_lm(cfg, store, source, tokenizer, hcfg, in_process, chat)
     log.info("harness: %s on %s (%s)", ", ".join(hcfg.tasks), source["label"], source["kind"])
     results = simple_evaluate(
         model=lm, tasks=list(hcfg.tasks), num_fewshot=hcfg.num_fewshot, limit=hcfg.limit,

@@ -197,7 +197,7 @@ def run_eval(cfg: JobConfig, store: Optional[Store] = None, checkpoint: str = "l
     if harness_cfg is not None:
         from app.eval.harness import run_harness
 
-        harness_results = run_harness(cfg, store, source, tokenizer, harness_cfg, in_process)
+        harness_results = run_harness(cfg, store, source, tokenizer, harness_cfg, in_process, renderer.chat)
     summary = write_summary(store, cfg.run_uri, source["label"])
     return {**summary, "results": scored, "harness_results": harness_results}
 
