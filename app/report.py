@@ -599,7 +599,7 @@ def build_eval_figure(status: dict, evals: list[dict], harness: Optional[list[di
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(10, 4.5), dpi=100)
+    fig = Figure(figsize=(12, 4.5), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     for name, metric in dict.fromkeys((r.get("set", DEFAULT_SET), r["metric"]) for r in evals):
@@ -620,6 +620,8 @@ def build_eval_figure(status: dict, evals: list[dict], harness: Optional[list[di
                        label=f"{name} {metric}, base ({base['score']:.3f})")
     for task in dict.fromkeys(t for h in harness or [] for t in h["harness"]):
         ours = [h for h in harness if task in h["harness"]]
+        if any(not 0 <= h["harness"][task]["score"] <= 1 for h in ours):
+            continue  # a perplexity, not a rate: the grid in report.md shows it
         base = next((h for h in ours if h["label"] == "base"), None)
         steps = [h for h in ours if h["label"] != "base" and h.get("step") is not None]
         color = "gray"
@@ -635,9 +637,11 @@ def build_eval_figure(status: dict, evals: list[dict], harness: Optional[list[di
     ax.set_ylim(-0.02, 1.02)
     ax.set_xlabel("step")
     ax.set_ylabel("score")
-    ax.set_title(f"{status['name']}: task score vs step (95% bootstrap intervals)")
+    bars = "95% bootstrap intervals" + ("; harness tasks: ± lm-eval's standard error" if harness else "")
+    ax.set_title(f"{status['name']}: task score vs step ({bars})")
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
+    # Beside the axes, not on them: several sets' curves and base lines leave no empty corner.
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     fig.tight_layout()
     return fig
 
