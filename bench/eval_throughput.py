@@ -161,7 +161,7 @@ def main() -> int:
                                     "actors": args.actors, "baseline_s": base, "baseline_loop_s": base_loop,
                                     "eft_s": eft, "eft_steady_s": eft_steady, "ratio": eft_rate / base_rate,
                                     "steady_ratio": steady_rate / loop_rate, "startup_s": startup_s,
-                                    "break_even_prompts": break_even, "score": last["score"]}, table)
+                                    "break_even_prompts": break_even, "score": last["results"]["default"]["score"]}, table)
     return 0
 
 
