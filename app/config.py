@@ -687,6 +687,9 @@ class EvalConfig(_Strict):
             if name not in self.named_sets():
                 raise ValueError(f"eval.every_checkpoints_sets: {name!r} is not a set (sets: "
                                  f"{', '.join(self.named_sets()) or 'none'})")
+        if self.every_checkpoints and not self.checkpoint_sets():
+            raise ValueError("eval.every_checkpoints: no set to score on checkpoints (set eval.uri or eval.sets; "
+                             "the harness runs in eft eval only)")
         return self
 
     def named_sets(self) -> dict[str, "EvalConfig"]:

@@ -403,6 +403,10 @@ def test_bad_suite_configs_are_one_line_each(tmp_path, capsys):
         "eval: {sets: {qa: {uri: s3://eft/e.jsonl, metric: regex}}}\n":
             "eval.sets.qa.metric regex needs eval.sets.qa.answer_regex",
         "eval: {every_checkpoints: 1}\n": "eval: nothing to score (set eval.uri, eval.sets or eval.harness)",
+        "eval: {harness: {tasks: [arc_easy]}, every_checkpoints: 1}\n":
+            "eval.every_checkpoints: no set to score on checkpoints",
+        "eval: {uri: s3://eft/e.jsonl, every_checkpoints: 1, every_checkpoints_sets: []}\n":
+            "eval.every_checkpoints: no set to score on checkpoints",
     }
     path = tmp_path / "job.yaml"
     for body, message in cases.items():
@@ -414,6 +418,9 @@ def test_bad_suite_configs_are_one_line_each(tmp_path, capsys):
     assert main(["eval", str(path), "--sets", "mc,qa"]) == 1
     assert capsys.readouterr().err.strip() == ("eft: error: --sets mc,qa: 'qa' is not a set of eval "
                                                "(sets: default, mc)")
+    assert main(["eval", str(path), "--sets", "none", "--no-harness"]) == 1
+    assert capsys.readouterr().err.strip() == ("eft: error: nothing to score: no set chosen (--sets) and no harness "
+                                               "(eval.harness, or --no-harness)")
 
 
 def test_named_sets_score_apart_and_together_alike(tuned_run):

@@ -209,7 +209,8 @@ def run_engine(cfg: JobConfig, store: Store, rows: list[dict], source: dict, set
     from app.eval.engine import run_in_process, run_pipeline, run_vllm, vllm_available
 
     ecfg, use_gpu = cfg.eval, cfg.scaling.use_gpu
-    engine_ok = source.get("model_uri") and not source.get("adapter_uri") and (
+    generates = any(s["kind"] == GENERATION for s in settings.values())
+    engine_ok = generates and source.get("model_uri") and not source.get("adapter_uri") and (
         ecfg.engine == "vllm" or (ecfg.engine == "auto" and use_gpu and vllm_available()))
     outputs: dict[int, dict] = {}
     rest = rows
