@@ -126,44 +126,31 @@ class ScoreEval:
 
     def generate_until(self, rows: list[dict], s: dict) -> list[dict]:
         """lm-eval's `generate_until`, greedy, a batch at a time (left-padded, as the sets'
-        generation): each row is done at its own `until` strings (checked on the decoded text, as
-        lm-eval's HF model does), at EOS, or after its own `max_new_tokens`, and keeps the tokens up
-        to there; the text is cut before the first stop string by the caller. The tokenizer comes
-        in the settings (the driver's, pickled by Ray), as the actor's node may not have the
-        driver's files."""
+        generation), stopping as lm-eval's HF model stops: its own stop criteria (each `until`
+        string looked for in the last few decoded tokens) or EOS, at most `max_new_tokens`. A batch
+        holds requests of one `until` and length (the harness batches them so, as lm-eval groups
+        them by their generation kwargs); the text is cut before the first stop string by the
+        caller. The tokenizer comes in the settings (the driver's, pickled by Ray), as the actor's
+        node may not have the driver's files."""
         import torch
-        from transformers import StoppingCriteria, StoppingCriteriaList
+        from lm_eval.models.utils_hf import stop_sequences_criteria
 
         tokenizer = s["tokenizer"]
+        until, max_new_tokens = rows[0]["until"], rows[0]["max_new_tokens"]
+        if any(r["until"] != until or r["max_new_tokens"] != max_new_tokens for r in rows):
+            raise ValueError("generate_until: a batch mixes stop strings or lengths")
         ids, mask = pad_left([r["input_ids"] for r in rows], s["pad_id"])
         width = ids.shape[1]
-        limits = [r["max_new_tokens"] for r in rows]
-        untils = [list(r["until"] or []) for r in rows]
-        done_at: list[Optional[int]] = [None] * len(rows)
-
-        class StopPerRow(StoppingCriteria):
-            """Per row: done once its text holds one of its stop strings or it has its tokens."""
-
-            def __call__(self, input_ids, scores, **kwargs):
-                length = input_ids.shape[1] - width
-                new = input_ids[:, width:].tolist()  # decoding needs the tokens; lm-eval's HF model syncs alike
-                for i, tokens in enumerate(new):
-                    if done_at[i] is None and (length >= limits[i]
-                                               or any(u in tokenizer.decode(tokens) for u in untils[i])):
-                        done_at[i] = length
-                return torch.tensor([d is not None for d in done_at], device=input_ids.device)
-
         with torch.no_grad():
             out = self.model.generate(
                 input_ids=torch.as_tensor(ids, device=self.device), attention_mask=torch.as_tensor(mask, device=self.device),
-                max_new_tokens=max(limits), do_sample=False, temperature=None, top_p=None, top_k=None,
-                stopping_criteria=StoppingCriteriaList([StopPerRow()]),
+                max_new_tokens=max_new_tokens, do_sample=False, temperature=None, top_p=None, top_k=None,
+                stopping_criteria=stop_sequences_criteria(tokenizer, list(until), width, len(rows)),
                 pad_token_id=s["pad_id"])  # EOS: the model's generation config, as lm-eval's HF model
         eos = self.model.generation_config.eos_token_id
         eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         results = []
-        for i, (r, tokens) in enumerate(zip(rows, out[:, width:].cpu().tolist())):
-            tokens = tokens[:done_at[i] if done_at[i] is not None else limits[i]]
+        for r, tokens in zip(rows, out[:, width:].cpu().tolist()):
             cut = next((j for j, t in enumerate(tokens) if t in eos), None)
             results.append({"uid": r["uid"], "output_ids": tokens if cut is None else tokens[:cut + 1],
                             "stopped": None})

@@ -105,11 +105,18 @@ def build_pool_lm(cfg, store: Store, source: dict, tokenizer, hcfg: HarnessConfi
         return run_pipeline(store, rows, source, settings, ecfg.num_actors, ecfg.cpus_per_actor, use_gpu)
 
     def assign_batches(rows: list[dict], size: int) -> list[dict]:
-        """Longest first (as lm-eval orders them), `size` a batch; the batch is the unit an actor takes."""
-        order = sorted(range(len(rows)), key=lambda i: (-len(rows[i]["input_ids"]) - len(rows[i].get("choice_ids",
-                                                                                                     [[]])[0]), i))
-        for position, i in enumerate(order):
-            rows[i]["batch_id"] = position // size
+        """Longest first (as lm-eval orders them), `size` a batch; the batch is the unit an actor
+        takes. Generation requests batch only with those of the same stop strings and length, as
+        lm-eval groups them by their generation kwargs."""
+        kwargs = lambda r: (tuple(r.get("until") or ()), r.get("max_new_tokens", 0))  # noqa: E731
+        order = sorted(range(len(rows)), key=lambda i: (kwargs(rows[i]), -len(rows[i]["input_ids"])
+                                                        - len(rows[i].get("choice_ids", [[]])[0]), i))
+        batch, previous, filled = -1, None, size
+        for i in order:
+            if kwargs(rows[i]) != previous or filled == size:
+                batch, previous, filled = batch + 1, kwargs(rows[i]), 0
+            rows[i]["batch_id"] = batch
+            filled += 1
         return rows
 
     class PoolLM(TemplateLM):
